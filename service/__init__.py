@@ -1,0 +1,1 @@
+"""Lattice service: API, planner, store, scheduler, metrics and CLI."""
