@@ -1,0 +1,72 @@
+"""Run a function on N real gloo ranks (one process each) and collect what each returns.
+
+    results = run_ranks(world_size=4, fn=_worker, args=(config,))
+
+`fn(rank, world_size, *args)` must be a module-level function (it is pickled by name into
+spawned processes). The process group is initialised before `fn` runs, on a free port.
+A failure on any rank raises `RankFailed` with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from training.dist import free_port
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from training.dist import init_distributed, shutdown
+
+    try:
+        init_distributed(rank, world, "127.0.0.1", port, backend="gloo", timeout_s=180)
+        result = fn(rank, world, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - report anything to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], args: tuple = (), timeout_s: float = 300.0) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, payload = queue.get(timeout=timeout_s)
+            (results if ok else errors)[rank] = payload
+            if errors:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        rank = min(errors)
+        raise RankFailed(f"rank {rank} failed:\n{errors[rank]}")
+    return [results[r] for r in range(world_size)]
