@@ -1,0 +1,1 @@
+"""Alembic environment and versions of the Lattice store (see service.store.migrate)."""

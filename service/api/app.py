@@ -1,0 +1,55 @@
+"""The FastAPI application. `create_app(settings)` needs only a database: no Ray, no scheduler.
+
+A scheduler plugs in through `app.state.scheduler` (see service.api.deps.SchedulerHook): the
+routes call `wake()` after a submit or cancel and `cancel(job_id)` for a job with live ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from sqlalchemy import Engine
+
+from service.api.deps import SchedulerHook
+from service.api.middleware import MetricsMiddleware
+from service.api.problems import add_problem_schemas, install_problem_handlers
+from service.api.routes import health, jobs, plans, tokens
+from service.settings import Settings, get_settings
+from service.store.db import make_engine, make_session_factory
+
+API_DESCRIPTION = """Lattice runs distributed training jobs for transformer language models on a Ray cluster:
+it plans the parallel layout, places the ranks on the network hierarchy, checkpoints, and recovers from faults.
+
+Authenticate with `Authorization: Bearer <token>`. Errors are `application/problem+json` documents whose
+`errors` list names each offending field."""
+
+
+def create_app(
+    settings: Settings | None = None, *, engine: Engine | None = None, scheduler: SchedulerHook | None = None
+) -> FastAPI:
+    settings = settings or get_settings()
+    engine = engine or make_engine(settings.db_url)
+    app = FastAPI(title="Lattice", version="0.1.0", description=API_DESCRIPTION)
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.session_factory = make_session_factory(engine)
+    app.state.scheduler = scheduler
+    install_problem_handlers(app)
+    app.add_middleware(MetricsMiddleware)
+    app.include_router(health.router)
+    app.include_router(jobs.router)
+    app.include_router(plans.router)
+    app.include_router(tokens.router)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            app.openapi_schema = add_problem_schemas(schema)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

@@ -1,0 +1,69 @@
+"""Typed dependencies of the routes: the session, the settings, the caller, the scheduler seam."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated, Protocol
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from service.auth import ANONYMOUS_ADMIN, Principal, authenticate
+from service.errors import Forbidden, Unauthorized
+from service.settings import Settings
+
+
+class SchedulerHook(Protocol):
+    """What the API needs from the scheduler (app.state.scheduler; None when there is none)."""
+
+    def wake(self) -> None:
+        """Something changed (a submit, a cancel): run a scheduling pass soon."""
+
+    def cancel(self, job_id: str) -> None:
+        """Stop the running job's ranks; its state is already `cancelled` in the store."""
+
+
+def get_settings_dep(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    """One session per request; routes that write commit explicitly, anything else rolls back."""
+    with request.app.state.session_factory() as session:
+        yield session
+
+
+def get_scheduler(request: Request) -> SchedulerHook | None:
+    return getattr(request.app.state, "scheduler", None)
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+SessionDep = Annotated[Session, Depends(get_session)]
+SchedulerDep = Annotated[SchedulerHook | None, Depends(get_scheduler)]
+
+_bearer = HTTPBearer(auto_error=False, description="An API token: `Authorization: Bearer lat_...`.")
+
+
+def get_principal(
+    settings: SettingsDep,
+    session: SessionDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Principal:
+    if not settings.auth_enabled:
+        return ANONYMOUS_ADMIN
+    if credentials is None or not credentials.credentials:
+        raise Unauthorized("missing bearer token: send the header 'Authorization: Bearer <token>'")
+    return authenticate(session, credentials.credentials)
+
+
+CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
+
+
+def require_admin(principal: CurrentPrincipal) -> Principal:
+    if not principal.is_admin:
+        raise Forbidden("this operation needs an admin token")
+    return principal
+
+
+AdminPrincipal = Annotated[Principal, Depends(require_admin)]

@@ -1,0 +1,194 @@
+"""What the job routes do, kept out of the routes so they stay thin: plan, submit (idempotent),
+look up with tenant visibility, list with cursors, cancel. Each function owns its transaction."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import logging
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from service import store
+from service.api.deps import SchedulerHook
+from service.auth import Principal
+from service.errors import Conflict, ConcurrentUpdate, IdempotencyConflict, InvalidRequest, JobNotFound
+from service.schemas import JobSpec
+from service.settings import Settings
+from service.store import tenants as tenant_store
+from service.store.models import Job, JobState
+
+log = logging.getLogger(__name__)
+
+_CANCEL_RETRIES = 5
+
+
+# ---- planning ------------------------------------------------------------------------------------
+def plan_job(spec: JobSpec, settings: Settings) -> dict[str, Any]:
+    """The Plan for a spec: searched (`parallelism: auto`) or evaluated (explicit layout).
+
+    The cluster is the one the settings describe (the embedded shape) unless the spec asks for
+    a GPU count; the scheduler re-plans if the live cluster differs.
+    """
+    from service.planner import ClusterSpec, PlannerError, TrainSpec, evaluate, plan
+
+    try:
+        model = spec.model_spec()
+    except ValueError as e:
+        raise InvalidRequest(str(e), errors=[{"field": "model.preset", "message": str(e)}]) from e
+    layout = spec.explicit_layout()
+    if spec.resources.gpus is not None:
+        num_gpus = spec.resources.gpus
+    elif layout is not None:
+        num_gpus = layout.world_size
+    else:
+        num_gpus = settings.embedded_num_gpus
+    field = "parallelism" if layout is not None else "resources"
+    try:
+        cluster = ClusterSpec(
+            gpu_type=spec.resources.gpu_type or settings.gpu_type,
+            num_gpus=num_gpus,
+            gpus_per_node=settings.embedded_gpus_per_node,
+            nodes_per_rack=settings.embedded_nodes_per_rack,
+        )
+        train = TrainSpec(global_batch=spec.train.global_batch, seq_len=model.seq_len, precision=spec.train.precision)
+        result = plan(model, train, cluster) if layout is None else evaluate(model, train, cluster, layout)
+    except (PlannerError, ValueError) as e:
+        raise InvalidRequest(f"no feasible plan: {e}", errors=[{"field": field, "message": str(e)}]) from e
+    return result.to_dict()
+
+
+# ---- submit ---------------------------------------------------------------------------------------
+def request_hash(spec: JobSpec) -> str:
+    canonical = json.dumps(spec.canonical(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def submit_job(
+    session: Session, principal: Principal, spec: JobSpec, settings: Settings, idempotency_key: str | None
+) -> tuple[Job, bool]:
+    """Create the job (state pending, plan attached); returns (job, created).
+
+    With an idempotency key, a retry with the same body returns the first job (created=False)
+    and a different body is a 409. Concurrent first attempts race on the unique (tenant, key)
+    constraint: the loser rolls back and returns the winner's job.
+    """
+    digest = request_hash(spec)
+    if idempotency_key is not None:
+        replay = _replay(session, principal, idempotency_key, digest)
+        if replay is not None:
+            return replay, False
+    plan = plan_job(spec, settings)
+    try:
+        tenant_store.ensure_tenant(session, principal.tenant)
+        job = store.create_job(
+            session, tenant=principal.tenant, name=spec.name, spec=spec.canonical(), plan=plan,
+            priority=spec.priority, total_steps=spec.train.steps,
+        )
+        if idempotency_key is not None:
+            tenant_store.add_idempotency_key(
+                session, tenant=principal.tenant, key=idempotency_key, request_hash=digest, job_id=job.id
+            )
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        if idempotency_key is None:
+            raise
+        replay = _replay(session, principal, idempotency_key, digest)
+        if replay is None:
+            raise
+        return replay, False
+    return job, True
+
+
+def _replay(session: Session, principal: Principal, key: str, digest: str) -> Job | None:
+    row = tenant_store.find_idempotency_key(session, principal.tenant, key)
+    if row is None:
+        return None
+    if row.request_hash != digest:
+        raise IdempotencyConflict(
+            f"Idempotency-Key {key!r} was already used with a different request body (job {row.job_id}); "
+            "use a new key for a different job"
+        )
+    return store.get_job(session, row.job_id)
+
+
+# ---- read -----------------------------------------------------------------------------------------
+def visible_job(session: Session, principal: Principal, job_id: str) -> Job:
+    """The job if this caller may see it; another tenant's job is indistinguishable from none."""
+    job = session.get(Job, job_id)
+    if job is None or not principal.can_see(job.tenant):
+        raise JobNotFound(job_id)
+    return job
+
+
+def encode_cursor(job_id: str) -> str:
+    return base64.urlsafe_b64encode(json.dumps({"after": job_id}).encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> str:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        after = json.loads(raw)["after"]
+        if not isinstance(after, str) or not after.isalnum() or len(after) > 26:
+            raise ValueError(after)
+        return after
+    except (binascii.Error, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(
+            "cursor is not a cursor this server issued; pass `next_cursor` from the previous page unchanged",
+            errors=[{"field": "cursor", "message": "invalid cursor", "location": "query"}],
+        ) from e
+
+
+def list_visible_jobs(
+    session: Session,
+    principal: Principal,
+    *,
+    states: list[str] | None,
+    tenant: str | None,
+    limit: int,
+    cursor: str | None,
+) -> tuple[list[Job], str | None]:
+    if tenant is not None and not principal.is_admin and tenant != principal.tenant:
+        return [], None  # a user asking for another tenant sees nothing, as if it did not exist
+    scope = tenant if principal.is_admin else principal.tenant
+    after = decode_cursor(cursor) if cursor else None
+    jobs = store.list_jobs(session, tenant=scope, states=states, limit=limit + 1, after_id=after)
+    next_cursor = encode_cursor(jobs[limit - 1].id) if len(jobs) > limit else None
+    return jobs[:limit], next_cursor
+
+
+# ---- cancel ---------------------------------------------------------------------------------------
+def cancel_job(session: Session, principal: Principal, job_id: str, scheduler: SchedulerHook | None) -> Job:
+    """Cancel a job that has not finished; cancelling a cancelled job returns it unchanged.
+
+    A job with ranks (starting, running, recovering) is marked cancelled first, then the
+    scheduler is told to stop it; the ranks never outlive a state that says they should stop.
+    """
+    for _ in range(_CANCEL_RETRIES):
+        job = visible_job(session, principal, job_id)
+        session.refresh(job)
+        state = JobState(job.state)
+        if state == JobState.CANCELLED:
+            return job
+        if state.terminal:
+            raise Conflict(f"job {job_id!r} already {state.value}; only unfinished jobs can be cancelled")
+        try:
+            job = store.transition(
+                session, job_id, JobState.CANCELLED, expected_version=job.version,
+                reason=f"cancelled by {principal.role.value} of tenant {principal.tenant}",
+            )
+            session.commit()
+        except ConcurrentUpdate:
+            session.rollback()
+            continue
+        if scheduler is not None:
+            if state in store.ACTIVE_STATES:
+                scheduler.cancel(job_id)
+            scheduler.wake()
+        return job
+    raise Conflict(f"job {job_id!r} kept changing while cancelling; retry")

@@ -1,0 +1,154 @@
+"""Every error the API returns is an RFC 9457 `application/problem+json` document.
+
+Validation errors name each offending field as a dotted path of the request body
+(`model.hidden`, `parallelism.tp`), or the query/path/header parameter, with what is allowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.errors import LatticeError
+from service.schemas import FieldError, JobSpec, Problem
+
+log = logging.getLogger(__name__)
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+# Union branch tags the schemas add to error locations; they are not fields the user wrote.
+_UNION_TAGS = {("model", "by_preset"), ("model", "explicit"), ("parallelism", "auto"), ("parallelism", "layout")}
+_LOCATIONS = {"body", "query", "path", "header", "cookie"}
+# A message that starts with a field path names the field better than the location of the validator.
+_LEADING_FIELD = re.compile(r"^([a-z_]+(?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*)(?=[ :])")
+_TOP_FIELDS = set(JobSpec.model_fields)
+
+
+class ProblemResponse(JSONResponse):
+    media_type = PROBLEM_MEDIA_TYPE
+
+
+def problem_response(
+    status: int,
+    title: str,
+    detail: str,
+    *,
+    instance: str | None = None,
+    errors: Sequence[FieldError] | None = None,
+    headers: dict[str, str] | None = None,
+) -> ProblemResponse:
+    body = Problem(title=title, status=status, detail=detail, instance=instance, errors=list(errors) if errors else None)
+    return ProblemResponse(body.model_dump(mode="json", exclude_none=True), status_code=status, headers=headers)
+
+
+def _field_path(loc: Sequence[Any]) -> tuple[str, str]:
+    """('body', 'model', 'explicit', 'hidden') -> ('body', 'model.hidden')."""
+    parts = list(loc)
+    location = "body"
+    if parts and parts[0] in _LOCATIONS:
+        location = str(parts.pop(0))
+    cleaned: list[str] = []
+    for part in parts:
+        if cleaned and (cleaned[-1], part) in _UNION_TAGS:
+            continue
+        if isinstance(part, int):
+            cleaned[-1:] = [f"{cleaned[-1]}[{part}]"] if cleaned else [f"[{part}]"]
+        else:
+            cleaned.append(str(part))
+    return location, ".".join(cleaned)
+
+
+def _clean_message(msg: str) -> str:
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            return msg[len(prefix):]
+    return msg
+
+
+def field_errors(errors: Sequence[Any]) -> list[FieldError]:
+    out: list[FieldError] = []
+    for err in errors:
+        location, path = _field_path(err.get("loc", ()))
+        message = _clean_message(str(err.get("msg", "invalid value")))
+        leading = _LEADING_FIELD.match(message)
+        if location == "body" and leading and leading.group(1).split(".")[0].split("[")[0] in _TOP_FIELDS:
+            if not path or leading.group(1).startswith(path):
+                path = leading.group(1)
+        if err.get("type") == "missing":
+            message = "field required"
+        elif err.get("type") == "extra_forbidden":
+            message = "unknown field (not allowed here)"
+        if location == "body" and not path:
+            path = "body" if err.get("type") in ("missing", "json_invalid", "model_attributes_type") else path
+        out.append(FieldError(field=path or location, message=message, location=location))  # type: ignore[arg-type]
+    return out
+
+
+def install_problem_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> ProblemResponse:
+        errors = field_errors(exc.errors())
+        detail = "; ".join(f"{e.field}: {e.message}" for e in errors[:5])
+        if len(errors) > 5:
+            detail += f"; and {len(errors) - 5} more"
+        return problem_response(422, "Invalid request", detail, instance=request.url.path, errors=errors)
+
+    @app.exception_handler(LatticeError)
+    async def _lattice(request: Request, exc: LatticeError) -> ProblemResponse:
+        errors = [FieldError.model_validate(e) for e in exc.errors] if exc.errors else None
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return problem_response(
+            exc.status, exc.title, exc.detail, instance=request.url.path, errors=errors, headers=headers
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> ProblemResponse:
+        from http import HTTPStatus
+
+        title = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else "Error"
+        detail = exc.detail if isinstance(exc.detail, str) else title
+        if exc.status_code == 404 and detail == "Not Found":
+            detail = f"no route for {request.method} {request.url.path}"
+        return problem_response(
+            exc.status_code, title, detail, instance=request.url.path, headers=getattr(exc, "headers", None)
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> ProblemResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return problem_response(500, "Internal error", "the server failed; see its log", instance=request.url.path)
+
+
+PROBLEM_CONTENT = {PROBLEM_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}}
+
+
+def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries documenting problem+json for these statuses."""
+    descriptions = {
+        401: "Missing or invalid bearer token.",
+        403: "The token's role may not do this.",
+        404: "No such job (or not visible to this tenant).",
+        409: "Conflict with the current state (illegal transition, reused idempotency key).",
+        422: "Invalid input; `errors` names each field and what is allowed.",
+        503: "Not ready.",
+    }
+    return {
+        s: {"description": descriptions.get(s, "Error."), "content": PROBLEM_CONTENT} for s in statuses
+    }
+
+
+def add_problem_schemas(openapi: dict[str, Any]) -> dict[str, Any]:
+    """Put Problem (and FieldError) into components, where the responses above refer to them."""
+    schema = Problem.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    components = openapi.setdefault("components", {}).setdefault("schemas", {})
+    components.update(defs)
+    components["Problem"] = schema
+    return openapi

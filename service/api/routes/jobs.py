@@ -1,0 +1,123 @@
+"""/v1/jobs: submit, list, get, cancel, events. Thin: parse, call service.api.operations, serialise."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Header, Path, Query, Response, status
+
+from service import store
+from service.api import operations
+from service.api.deps import CurrentPrincipal, SchedulerDep, SessionDep, SettingsDep
+from service.api.problems import problem_responses
+from service.schemas import (
+    DEMO_SPEC,
+    EXPLICIT_SPEC,
+    EventPage,
+    EventPublic,
+    JobPage,
+    JobPublic,
+    JobSpec,
+    JobStateName,
+)
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+JobId = Annotated[str, Path(min_length=1, max_length=64, description="Job id.", examples=["01JABCDEF0123456789ABCDEFG"])]
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key", min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$",
+        description="Makes retries safe: the same key and body return the same job; "
+        "the same key with a different body is a 409.",
+    ),
+]
+SPEC_EXAMPLES = {
+    "auto": {"summary": "Planner chooses the layout", "value": DEMO_SPEC},
+    "explicit": {"summary": "Explicit model and layout, with an injected fault", "value": EXPLICIT_SPEC},
+}
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=JobPublic,
+    summary="Submit a job",
+    responses={
+        200: {"description": "Replay of an earlier submit with the same Idempotency-Key and body.",
+              "model": JobPublic},
+        **problem_responses(401, 409, 422),
+    },
+)
+def submit_job(
+    spec: Annotated[JobSpec, Body(openapi_examples=SPEC_EXAMPLES)],
+    session: SessionDep,
+    principal: CurrentPrincipal,
+    settings: SettingsDep,
+    scheduler: SchedulerDep,
+    response: Response,
+    idempotency_key: IdempotencyKey = None,
+) -> JobPublic:
+    job, created = operations.submit_job(session, principal, spec, settings, idempotency_key)
+    if not created:
+        response.status_code = status.HTTP_200_OK
+        response.headers["Idempotent-Replayed"] = "true"
+    elif scheduler is not None:
+        scheduler.wake()
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    return JobPublic.from_row(job)
+
+
+@router.get("", response_model=JobPage, summary="List jobs, newest first", responses=problem_responses(401, 422))
+def list_jobs(
+    session: SessionDep,
+    principal: CurrentPrincipal,
+    state: Annotated[list[JobStateName] | None, Query(description="Only jobs in these states.")] = None,
+    tenant: Annotated[
+        str | None, Query(max_length=64, description="Only this tenant's jobs (admin; users see their own).")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=500, description="Page size.")] = 50,
+    cursor: Annotated[
+        str | None, Query(max_length=200, description="`next_cursor` of the previous page.")
+    ] = None,
+) -> JobPage:
+    jobs, next_cursor = operations.list_visible_jobs(
+        session, principal, states=list(state) if state else None, tenant=tenant, limit=limit, cursor=cursor
+    )
+    return JobPage(items=[JobPublic.from_row(j) for j in jobs], next_cursor=next_cursor)
+
+
+@router.get("/{job_id}", response_model=JobPublic, summary="Get a job", responses=problem_responses(401, 404, 422))
+def get_job(job_id: JobId, session: SessionDep, principal: CurrentPrincipal) -> JobPublic:
+    return JobPublic.from_row(operations.visible_job(session, principal, job_id))
+
+
+@router.post(
+    "/{job_id}/cancel",
+    response_model=JobPublic,
+    summary="Cancel a job",
+    description="Pending and queued jobs are cancelled at once; a starting or running job is marked cancelled "
+    "and its ranks are stopped. Cancelling a cancelled job returns it; a finished job is a 409.",
+    responses=problem_responses(401, 404, 409, 422),
+)
+def cancel_job(job_id: JobId, session: SessionDep, principal: CurrentPrincipal, scheduler: SchedulerDep) -> JobPublic:
+    return JobPublic.from_row(operations.cancel_job(session, principal, job_id, scheduler))
+
+
+@router.get(
+    "/{job_id}/events",
+    response_model=EventPage,
+    summary="A job's event log",
+    responses=problem_responses(401, 404, 422),
+)
+def list_events(
+    job_id: JobId,
+    session: SessionDep,
+    principal: CurrentPrincipal,
+    after: Annotated[int, Query(ge=0, le=2**31 - 1, description="Only events with seq > after.")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000, description="Page size.")] = 100,
+) -> EventPage:
+    operations.visible_job(session, principal, job_id)
+    events = store.list_events(session, job_id, after_seq=after, limit=limit + 1)
+    next_after = events[limit - 1].seq if len(events) > limit else None
+    return EventPage(items=[EventPublic.from_row(e) for e in events[:limit]], next_after=next_after)

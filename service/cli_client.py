@@ -1,0 +1,68 @@
+"""The CLI's HTTP client: where the server and token come from, and one-line errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from service.settings import Settings
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+class CliError(Exception):
+    """A failure the CLI reports as one line on stderr (exit code 1)."""
+
+
+def _read_first_line(path: Any) -> str | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return text.splitlines()[0].strip() if text else None
+
+
+class Client:
+    def __init__(self, server: str, token: str | None, timeout: float = 30.0) -> None:
+        self.server = server.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout)
+
+    @classmethod
+    def resolve(cls, settings: Settings, *, server: str | None = None, token: str | None = None) -> Client:
+        """Flags, then settings (LATTICE_SERVER / LATTICE_TOKEN), then the files `lattice serve` wrote."""
+        server = server or settings.server or _read_first_line(settings.server_file)
+        server = server or f"http://{settings.host}:{settings.port}"
+        token = token or settings.token or _read_first_line(settings.token_path)
+        if not server.startswith(("http://", "https://")):
+            raise CliError(f"server URL must start with http:// or https://, got {server!r}")
+        return cls(server, token)
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TimeoutException as e:
+            raise CliError(f"the Lattice server at {self.server} did not answer in time ({type(e).__name__})") from e
+        except httpx.TransportError as e:
+            reason = str(e) or type(e).__name__
+            raise CliError(
+                f"cannot reach the Lattice server at {self.server} ({reason}); is `lattice serve` running?"
+            ) from e
+        if response.is_error:
+            raise CliError(_describe_error(response))
+        try:
+            return response.json()
+        except ValueError as e:
+            raise CliError(f"{method} {path}: the server sent a response that is not JSON") from e
+
+
+def _describe_error(response: httpx.Response) -> str:
+    try:
+        problem = response.json()
+    except ValueError:
+        problem = None
+    if isinstance(problem, dict) and "detail" in problem:
+        title = problem.get("title") or response.reason_phrase
+        return f"{response.status_code} {title}: {problem['detail']}"
+    return f"{response.status_code} {response.reason_phrase}"

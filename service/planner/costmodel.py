@@ -1,0 +1,284 @@
+"""Predicted step time and memory of one layout, computed in stages the search can hoist.
+
+The search and `evaluate` call exactly these functions in the same order, so a layout's prediction
+is the same number whichever way it was reached. Stages, from the outside in:
+
+  Env     (model, train, cluster)               catalog numbers, tiers of the network
+  Family  (tp, cp, pp, dp, ep)                  parameters per GPU, group tiers
+  Stage   (family, v, V-shape)                  layers per rank, model state and DP cost per ZeRO stage
+  Micro   (family, micro-batch, sp, recompute)  per-layer activation bytes and time per micro-batch
+  combine (stage, micro, schedule, m)           pipeline: bubble, in-flight activations
+  finish  (stage, combo, zero stage)            DP exposure, optimizer step, memory total
+
+Formulas and their sources are in formulas.py and docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from service.planner.formulas import (
+    V_SHAPED,
+    ParamCounts,
+    activation_bytes_per_layer,
+    bubble_fraction,
+    flops_per_token,
+    hops,
+    inflight_microbatches,
+    model_state_bytes,
+    param_counts,
+    recompute_flops_per_token_layer,
+    ring_bytes,
+    tp_bytes_per_layer,
+)
+from service.planner.hardware import GpuType
+from service.planner.specs import ClusterSpec, TrainSpec
+from training.spec import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Tier:
+    name: str  # "node" (NVLink), "rack" (InfiniBand), "cross-rack" (InfiniBand / oversubscription)
+    bw: float
+    latency: float
+
+
+class Env:
+    """Everything that does not depend on the layout."""
+
+    def __init__(self, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec) -> None:
+        self.model, self.train, self.cluster = model, train, cluster
+        gpu: GpuType = cluster.gpu
+        self.gpu = gpu
+        self.counts: ParamCounts = param_counts(model)
+        self.flops_rate = gpu.peak_flops * gpu.compute_efficiency  # achievable FLOP/s per GPU
+        self.bytes_per_param = train.bytes_per_param
+        # Adam step traffic per parameter: read grad, read+write master and moments, write bf16 param.
+        bp, bg, bo = self.bytes_per_param
+        self.opt_bytes_per_param = bg + 2 * bo + bp
+        self.n, self.gpn, self.rack = cluster.num_gpus, cluster.gpn, cluster.rack_size
+        self.s, self.g = train.seq_len, train.global_batch
+        self.flops_per_step = flops_per_token(model, self.s) * self.g * self.s
+        self.reserve = float(gpu.reserve_bytes)
+        self.capacity = float(gpu.hbm_bytes)
+        self.node_tier = Tier("node", gpu.nvlink_bw, gpu.intra_latency_s)
+        self.rack_tier = Tier("rack", gpu.internode_bw, gpu.inter_latency_s)
+        self.cross_tier = Tier("cross-rack", gpu.internode_bw / cluster.oversubscription, gpu.inter_latency_s)
+
+    def tier(self, span: int) -> Tier:
+        """Slowest tier a group of `span` consecutive ranks crosses (rank order puts TP fastest)."""
+        if span <= self.gpn and self.gpn % span == 0:
+            return self.node_tier
+        if self.n <= self.rack or (span <= self.rack and self.rack % span == 0):
+            return self.rack_tier
+        return self.cross_tier
+
+
+def _collective(kind: str, nbytes: float, n: int, tier: Tier, count: int) -> tuple[float, float]:
+    """(bytes sent per rank, seconds) for `count` ring collectives moving `nbytes` in total (alpha-beta)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0, 0.0
+    sent = ring_bytes(kind, nbytes, n)
+    steps = hops(n) * (2 if kind == "all_reduce" else 1)
+    return sent, sent / tier.bw + steps * tier.latency * count
+
+
+class Family:
+    """One (tp, cp, pp, dp, ep) split of the cluster."""
+
+    __slots__ = ("env", "tp", "cp", "pp", "dp", "ep", "d", "d_e", "tp_tier", "cp_tier", "dp_tier", "pp_tier",
+                 "ep_tier", "p_layer_dense", "p_layer_expert", "emb", "head")
+
+    def __init__(self, env: Env, tp: int, cp: int, pp: int, dp: int, ep: int) -> None:
+        self.env, self.tp, self.cp, self.pp, self.dp, self.ep = env, tp, cp, pp, dp, ep
+        self.d = dp * cp  # ranks that hold the same parameters (CP ranks join the gradient reduction)
+        self.d_e = self.d // ep  # ranks that hold the same experts
+        self.tp_tier = env.tier(tp)
+        self.cp_tier = env.tier(tp * cp)
+        self.dp_tier = env.tier(tp * cp * dp)
+        self.pp_tier = env.tier(env.n)  # the slowest stage boundary paces a synchronous pipeline
+        self.ep_tier = env.tier(tp * ep)
+        c = env.counts
+        # Megatron TP shards the attention and MLP matmuls and the vocabulary; norms stay replicated.
+        self.p_layer_dense = (c.attn + c.mlp + c.router) / tp + c.norms
+        self.p_layer_expert = c.experts / (tp * ep)
+        self.emb = c.embed / tp
+        # A tied head is a second copy of the embedding when it lives on another pipeline rank.
+        self.head = (c.head if c.head else (c.embed if pp > 1 else 0)) / tp
+
+    def key(self) -> tuple[int, int, int, int, int]:
+        return (self.tp, self.cp, self.pp, self.dp, self.ep)
+
+
+class Stage:
+    """The pipeline rank layout of a family: how many layers the busiest rank holds, and its model state."""
+
+    __slots__ = ("fam", "v", "vshape", "layers", "same_rank", "state_first", "state_last", "buffers",
+                 "dp_once", "dp_per_mb", "dp_bytes_once", "dp_bytes_per_mb", "opt")
+
+    def __init__(self, fam: Family, v: int, vshape: bool) -> None:
+        env = fam.env
+        self.fam, self.v, self.vshape = fam, v, vshape
+        big_l = env.model.layers
+        # Uneven splits: stages get floor or ceil(L / (p v)) layers; the busiest rank paces the pipeline.
+        self.layers = min(big_l, v * math.ceil(big_l / (fam.pp * v)))
+        self.same_rank = fam.pp == 1 or vshape
+        dense = self.layers * fam.p_layer_dense
+        expert = self.layers * fam.p_layer_expert
+        if self.same_rank:
+            first_dense = last_dense = dense + fam.emb + fam.head
+        else:
+            first_dense, last_dense = dense + fam.emb, dense + fam.head
+        bpp = env.bytes_per_param
+        self.state_first: list[tuple[float, float, float]] = []
+        self.state_last: list[tuple[float, float, float]] = []
+        self.buffers: list[float] = []
+        for z in range(4):
+            ed = model_state_bytes(expert, z, fam.d_e, bpp)
+            fd = model_state_bytes(first_dense, z, fam.d, bpp)
+            ld = model_state_bytes(last_dense, z, fam.d, bpp)
+            self.state_first.append((fd[0] + ed[0], fd[1] + ed[1], fd[2] + ed[2]))
+            self.state_last.append((ld[0] + ed[0], ld[1] + ed[1], ld[2] + ed[2]))
+            # ZeRO-3 gathers a layer before use and prefetches the next one (Zhao et al. 2023, FSDP).
+            layer = fam.p_layer_dense + fam.p_layer_expert
+            self.buffers.append(2 * bpp[0] * layer if z == 3 and fam.d > 1 else 0.0)
+        # DP traffic of the busier rank, one collective per layer (bucket); dense and expert groups in turn.
+        big = max(first_dense, last_dense)
+        once = [0.0] * 4
+        per_mb = [0.0] * 4
+        bytes_once = [0.0] * 4
+        bytes_per_mb = [0.0] * 4
+        for params, n in ((big, fam.d), (expert, fam.d_e)):
+            if n <= 1 or params <= 0:
+                continue
+            grad, weights = bpp[1] * params, bpp[0] * params
+            ar = _collective("all_reduce", grad, n, fam.dp_tier, self.layers)
+            rs = _collective("reduce_scatter", grad, n, fam.dp_tier, self.layers)
+            ag = _collective("all_gather", weights, n, fam.dp_tier, self.layers)
+            # ZeRO-0: all-reduce once; ZeRO-1: reduce-scatter + all-gather once (same bytes, lecture 18:47);
+            # ZeRO-2: reduce-scatter every micro-batch (grads stay sharded) + all-gather once;
+            # ZeRO-3: all-gather forward and backward + reduce-scatter, every micro-batch (3x params).
+            for z, (o, p) in enumerate(((ar, None), ((rs[0] + ag[0], rs[1] + ag[1]), None),
+                                        (ag, rs), (None, (2 * ag[0] + rs[0], 2 * ag[1] + rs[1])))):
+                if o is not None:
+                    bytes_once[z] += o[0]
+                    once[z] += o[1]
+                if p is not None:
+                    bytes_per_mb[z] += p[0]
+                    per_mb[z] += p[1]
+        self.dp_once, self.dp_per_mb = once, per_mb
+        self.dp_bytes_once, self.dp_bytes_per_mb = bytes_once, bytes_per_mb
+        # The optimizer step is memory-bound elementwise work on the (sharded) fp32 state.
+        rate = env.opt_bytes_per_param / env.gpu.hbm_bw
+        self.opt = [(big + expert) * rate] + [(big / fam.d + expert / fam.d_e) * rate] * 3
+
+
+class Micro:
+    """Per-layer activation bytes and per-micro-batch times for one (micro-batch size, sp, recompute)."""
+
+    __slots__ = ("mbs", "sp", "recompute", "act_layer", "act_work", "act_emb", "logits", "t_compute", "t_compute_plain",
+                 "t_head", "t_tp", "t_cp", "t_ep", "t_layer", "t_p2p", "tp_bytes", "cp_bytes", "ep_bytes",
+                 "p2p_bytes")
+
+    def __init__(self, fam: Family, mbs: int, sp: bool, recompute: str) -> None:
+        env, m = fam.env, fam.env.model
+        tp, cp = fam.tp, fam.cp
+        self.mbs, self.sp, self.recompute = mbs, sp, recompute
+        s, h = env.s, m.hidden
+        s_loc = s // cp  # context parallel splits the sequence; ring attention holds one block at a time
+        tokens = mbs * s_loc
+        self.act_layer = activation_bytes_per_layer(s_loc, mbs, h, m.heads, tp, sp, recompute)
+        # Full recomputation re-materialises one layer at a time during backward.
+        self.act_work = (activation_bytes_per_layer(s_loc, mbs, h, m.heads, tp, sp, "selective")
+                         if recompute == "full" else 0.0)
+        self.act_emb = 2.0 * tokens * h / (tp if sp else 1)  # embedding output (bf16)
+        self.logits = 6.0 * tokens * m.vocab / tp  # bf16 logits + fp32 log-softmax for the loss
+        rate = env.flops_rate
+        c = env.counts
+        attn_flops = 12.0 * h * s  # per token, forward + backward (PaLM, Appendix B)
+        extra = recompute_flops_per_token_layer(m, s, recompute)
+        self.t_compute_plain = tokens * (6.0 * c.matmul_active_per_layer + attn_flops) / tp / rate
+        self.t_compute = self.t_compute_plain + tokens * extra / tp / rate
+        self.t_head = tokens * 6.0 * m.vocab * h / tp / rate
+        # TP: forward and backward, plus the recomputed forward under full recomputation.
+        passes = 3 if recompute == "full" else 2
+        self.tp_bytes = passes * tp_bytes_per_layer(mbs, s_loc, h, tp) if tp > 1 else 0.0
+        self.t_tp = (self.tp_bytes / fam.tp_tier.bw + passes * 4 * hops(tp) * fam.tp_tier.latency
+                     if tp > 1 else 0.0)
+        # CP ring: each rank passes its K and V blocks around the ring forward; K, V and their gradients
+        # backward (Liu et al. 2023), overlapped with the attention blocks it computes meanwhile.
+        if cp > 1:
+            kv = 2.0 * tokens * m.n_kv_heads * m.head_dim * 2 / tp
+            self.cp_bytes = 3.0 * (cp - 1) * kv
+            ring = self.cp_bytes / fam.cp_tier.bw + 3 * (cp - 1) * fam.cp_tier.latency
+            self.t_cp = max(0.0, ring - tokens * attn_flops / tp / rate)
+        else:
+            self.cp_bytes, self.t_cp = 0.0, 0.0
+        # EP: dispatch and combine all-to-alls, forward and backward (Lepikhin et al. 2020, GShard).
+        if m.is_moe and fam.ep > 1:
+            self.ep_bytes = 4.0 * tokens * m.top_k * h * 2 * (fam.ep - 1) / fam.ep / tp
+            self.t_ep = self.ep_bytes / fam.ep_tier.bw + 4 * (fam.ep - 1) * fam.ep_tier.latency
+        else:
+            self.ep_bytes, self.t_ep = 0.0, 0.0
+        self.t_layer = self.t_compute + self.t_tp + self.t_cp + self.t_ep
+        # PP: one activation forward and one gradient backward per stage boundary per micro-batch,
+        # b*s*h (lecture 45:18), scattered over TP ranks with sequence parallel (Narayanan et al. 2021, 4.1).
+        if fam.pp > 1:
+            self.p2p_bytes = 2.0 * 2.0 * tokens * h / (tp if sp else 1)
+            self.t_p2p = self.p2p_bytes / fam.pp_tier.bw + 2 * fam.pp_tier.latency
+        else:
+            self.p2p_bytes, self.t_p2p = 0.0, 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Combo:
+    """A pipeline schedule applied to a stage layout and a micro-batch shape."""
+
+    m: int
+    schedule: str
+    t_mb: float  # busiest rank, one micro-batch, all its chunks
+    compute_mb: float
+    bubble: float
+    core: float  # m micro-batches plus the bubble
+    act_first: float
+    act_last: float
+
+
+def combine(stage: Stage, micro: Micro, schedule: str, m: int) -> Combo:
+    pp, v = stage.fam.pp, stage.v
+    t_mb = stage.layers * micro.t_layer + micro.t_head + v * micro.t_p2p
+    compute_mb = stage.layers * micro.t_compute + micro.t_head
+    bubble = bubble_fraction(schedule, pp, m, v)
+    core = m * t_mb * (1.0 + bubble)
+    infl = inflight_microbatches(schedule, pp, m, v)
+    act_first = (stage.layers * micro.act_layer + micro.act_emb) * infl + micro.act_work
+    if stage.same_rank:
+        act_first += micro.logits
+        act_last = act_first
+    else:
+        infl_last = float(m) if schedule == "gpipe" else 1.0
+        act_last = stage.layers * micro.act_layer * infl_last + micro.logits + micro.act_work
+    return Combo(m, schedule, t_mb, compute_mb, bubble, core, act_first, act_last)
+
+
+def dp_exposed(stage: Stage, combo: Combo, z: int) -> float:
+    """DP time not hidden behind compute (Zhao et al. 2023, FSDP overlap).
+
+    ZeRO-0/1 communicate once per step, overlapped with the last micro-batch's backward and the next
+    step's first forward; ZeRO-2/3 communicate every micro-batch, overlapped with all of them. The last
+    bucket (about one layer's share) can never overlap.
+    """
+    total = stage.dp_once[z] + combo.m * stage.dp_per_mb[z]
+    window = combo.compute_mb * (combo.m if z >= 2 else 1)
+    return max(total - window, total / stage.layers)
+
+
+def finish(stage: Stage, combo: Combo, z: int) -> tuple[float, float]:
+    """(step time in seconds, peak bytes per GPU) of one complete candidate."""
+    env = stage.fam.env
+    step = combo.core + dp_exposed(stage, combo, z) + stage.opt[z]
+    sf, sl = stage.state_first[z], stage.state_last[z]
+    extra = stage.buffers[z] + env.reserve
+    mem = max(sf[0] + sf[1] + sf[2] + combo.act_first, sl[0] + sl[1] + sl[2] + combo.act_last) + extra
+    return step, mem

@@ -1,0 +1,109 @@
+"""GPU catalog: what one accelerator and its node can do, with sources.
+
+Bandwidths are bytes/s per GPU in one direction (what a ring collective's bus bandwidth is measured
+against). `compute_efficiency` is the fraction of dense bf16 peak that the large matmuls of a
+transformer layer achieve in practice; it is the one calibration constant of the time model and is
+documented in docs/planner.md ("Calibration").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.planner.errors import PlannerError
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class GpuType:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s (no sparsity)
+    hbm_bytes: int
+    hbm_bw: float  # bytes/s
+    nvlink_bw: float  # intra-node bytes/s per GPU per direction
+    internode_bw: float  # bytes/s per GPU (one NIC per GPU) per direction
+    gpus_per_node: int
+    compute_efficiency: float  # achievable fraction of peak for transformer matmuls (calibrated)
+    intra_latency_s: float  # per collective hop inside a node (alpha of the alpha-beta model)
+    inter_latency_s: float  # per collective hop across nodes
+    reserve_fixed_bytes: int  # CUDA context, kernels, NCCL buffers
+    reserve_fraction: float  # allocator fragmentation, as a fraction of HBM
+    description: str = ""
+
+    @property
+    def reserve_bytes(self) -> int:
+        return int(self.reserve_fixed_bytes + self.reserve_fraction * self.hbm_bytes)
+
+
+# Runtime reserve for real GPUs: ~1 GiB CUDA context + kernels, ~1 GiB NCCL communicator buffers,
+# and ~8% allocator fragmentation (PyTorch caching allocator, typical `reserved - allocated` gap).
+_RESERVE_FIXED = 2 * GiB
+_RESERVE_FRACTION = 0.08
+
+GPU_CATALOG: dict[str, GpuType] = {
+    # NVIDIA A100 datasheet (SXM4): 312 TFLOP/s bf16 dense, 40 GB HBM2 at 1,555 GB/s, NVLink3
+    # 600 GB/s total (300 GB/s per direction); DGX A100: 8 GPUs, HDR 200 Gb/s (25 GB/s) per GPU.
+    "A100-40GB": GpuType(
+        "A100-40GB", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9, 8, 0.55, 5e-6, 10e-6,
+        _RESERVE_FIXED, _RESERVE_FRACTION, "NVIDIA A100 SXM4 40GB (DGX A100, HDR InfiniBand)",
+    ),
+    # NVIDIA A100 80GB datasheet (SXM4): HBM2e at 2,039 GB/s; otherwise as above.
+    "A100-80GB": GpuType(
+        "A100-80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, 8, 0.55, 5e-6, 10e-6,
+        _RESERVE_FIXED, _RESERVE_FRACTION, "NVIDIA A100 SXM4 80GB (DGX A100, HDR InfiniBand)",
+    ),
+    # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s, NVLink4
+    # 900 GB/s total (450 GB/s per direction); DGX H100: 8 GPUs, ConnectX-7 NDR 400 Gb/s (50 GB/s) per GPU.
+    "H100-80GB": GpuType(
+        "H100-80GB", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8, 0.55, 5e-6, 10e-6,
+        _RESERVE_FIXED, _RESERVE_FRACTION, "NVIDIA H100 SXM5 80GB (DGX H100, NDR InfiniBand)",
+    ),
+    # NVIDIA H200 datasheet (SXM): same compute as H100, 141 GB HBM3e at 4.8 TB/s, NVLink4 900 GB/s.
+    "H200-141GB": GpuType(
+        "H200-141GB", 989e12, 141 * GiB, 4.8e12, 450e9, 50e9, 8, 0.55, 5e-6, 10e-6,
+        _RESERVE_FIXED, _RESERVE_FRACTION, "NVIDIA H200 SXM 141GB (HGX H200, NDR InfiniBand)",
+    ),
+    # NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 dense-equivalent for 8 GPUs -> 2.25 PFLOP/s bf16 dense
+    # per GPU, 1,440 GB HBM3e total (180 GB per GPU) at 8 TB/s, NVLink5 1.8 TB/s total (900 GB/s per
+    # direction), ConnectX-7 400 Gb/s (50 GB/s) per GPU.
+    "B200": GpuType(
+        "B200", 2.25e15, 180 * GiB, 8.0e12, 900e9, 50e9, 8, 0.55, 5e-6, 10e-6,
+        _RESERVE_FIXED, _RESERVE_FRACTION, "NVIDIA B200 (DGX B200, NDR InfiniBand)",
+    ),
+    # The embedded CPU cluster: each "GPU" is one gloo process on a shared CPU. Nothing here is a
+    # hardware limit. The memory is a *budget* chosen so that the demo model (preset "demo", global
+    # batch 8, 8 virtual GPUs, 4 per node) does not fit unless TP x PP >= 4, and the latencies are
+    # gloo-over-loopback-sized, which makes 4-way collectives cost more than a 2-stage pipeline's
+    # bubble. The planner therefore picks tp=2, pp=2, dp=2 for the demo by itself (docs/planner.md).
+    "cpu-virtual": GpuType(
+        "cpu-virtual", 2e10, 6 * 1024**2, 20e9, 2e9, 1e9, 4, 0.5, 50e-6, 100e-6,
+        0, 0.0, "embedded CPU cluster (gloo processes; memory is a planning budget, see docs/planner.md)",
+    ),
+}
+
+_ALIASES: dict[str, str] = {
+    "a100": "A100-80GB",
+    "a100-40": "A100-40GB",
+    "a100-80": "A100-80GB",
+    "h100": "H100-80GB",
+    "h100-sxm": "H100-80GB",
+    "h100-80": "H100-80GB",
+    "h200": "H200-141GB",
+    "h200-141": "H200-141GB",
+    "b200-180gb": "B200",
+    "cpu": "cpu-virtual",
+}
+
+
+def get_gpu(name: str) -> GpuType:
+    """Look a GPU type up by catalog name or alias (case-insensitive)."""
+    if not isinstance(name, str) or not name:
+        raise PlannerError(f"cluster.gpu_type must be one of {', '.join(GPU_CATALOG)}, got {name!r}")
+    key = name.strip().lower()
+    for catalog_name, gpu in GPU_CATALOG.items():
+        if catalog_name.lower() == key:
+            return gpu
+    if key in _ALIASES:
+        return GPU_CATALOG[_ALIASES[key]]
+    raise PlannerError(f"cluster.gpu_type must be one of {', '.join(GPU_CATALOG)}, got {name!r}")

@@ -1,0 +1,119 @@
+"""Every knob of Lattice, in one typed settings object (environment prefix `LATTICE_`).
+
+Nothing else in the service reads `os.environ`: a knob that is not a field here does not
+exist. `lattice serve --help` prints this list, so the documentation cannot drift from it.
+Paths that are relative are taken relative to `home` (default `.lattice` in the working
+directory), so one `LATTICE_HOME` moves the whole embedded deployment.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_HOME = Path(".lattice")
+
+
+class Settings(BaseSettings):
+    """Configuration of the Lattice service and CLI; each field is `LATTICE_<FIELD>` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="LATTICE_", extra="ignore", validate_default=True)
+
+    home: Path = Field(
+        DEFAULT_HOME,
+        description="State directory of the embedded deployment (SQLite file, token, checkpoints).",
+    )
+    database_url: str | None = Field(
+        None,
+        description="SQLAlchemy URL of the store; unset = SQLite file <home>/lattice.db. "
+        "Production: postgresql+psycopg://user@host:5432/db.",
+    )
+    ray_address: str | None = Field(
+        None, description="Address of an existing Ray cluster; unset = start an embedded local cluster."
+    )
+    embedded_racks: int = Field(2, ge=1, description="Embedded cluster: simulated racks.")
+    embedded_nodes_per_rack: int = Field(2, ge=1, description="Embedded cluster: simulated nodes per rack.")
+    embedded_gpus_per_node: int = Field(4, ge=1, description="Embedded cluster: virtual GPUs per node.")
+    gpu_type: str = Field(
+        "cpu-virtual", description="GPU type the planner assumes for the cluster (a planner hardware preset)."
+    )
+    checkpoint_root: Path | None = Field(
+        None, description="Where job checkpoints go; unset = <home>/checkpoints. Shared storage in production."
+    )
+    host: str = Field("127.0.0.1", description="Interface `lattice serve` binds to.")
+    port: int = Field(8000, ge=1, le=65535, description="Port `lattice serve` listens on.")
+    auth_enabled: bool = Field(
+        True, description="Require `Authorization: Bearer <token>`; false = every caller is admin (dev only)."
+    )
+    token_file: Path | None = Field(
+        None, description="Where `lattice serve` stores the bootstrap admin token (mode 0600); unset = <home>/token."
+    )
+    server: str | None = Field(
+        None, description="CLI: URL of the Lattice server; unset = <home>/server, then http://<host>:<port>."
+    )
+    token: str | None = Field(None, description="CLI: bearer token; unset = the token file.")
+    migrate_on_start: bool = Field(
+        True, description="`lattice serve` runs the database migrations (under a lock) before serving."
+    )
+    fault_injection: bool = Field(
+        False, description="Act on the `faults` list of job specs (testing only; off in production)."
+    )
+    heartbeat_timeout_s: float = Field(
+        10.0, gt=0, description="A rank silent for this long is treated as hung (default for job specs)."
+    )
+    scheduler_interval_s: float = Field(
+        1.0, gt=0, description="Period of the scheduler/reconciler loop when nothing wakes it earlier."
+    )
+    log_level: str = Field("info", description="Log level of the service (debug, info, warning, error).")
+
+    @model_validator(mode="after")
+    def _resolve_paths(self) -> Settings:
+        if self.database_url is None:
+            self.database_url = f"sqlite:///{self.home / 'lattice.db'}"
+        if self.checkpoint_root is None:
+            self.checkpoint_root = self.home / "checkpoints"
+        if self.token_file is None:
+            self.token_file = self.home / "token"
+        return self
+
+    # Typed accessors (the validator above guarantees these are set).
+    @property
+    def db_url(self) -> str:
+        assert self.database_url is not None
+        return self.database_url
+
+    @property
+    def token_path(self) -> Path:
+        assert self.token_file is not None
+        return self.token_file
+
+    @property
+    def server_file(self) -> Path:
+        """Where `lattice serve` records its URL for the CLI."""
+        return self.home / "server"
+
+    @property
+    def embedded_num_gpus(self) -> int:
+        return self.embedded_racks * self.embedded_nodes_per_rack * self.embedded_gpus_per_node
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.db_url.startswith("sqlite")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return Settings()
+
+
+def describe_settings() -> list[tuple[str, str, str]]:
+    """(environment variable, default, description) for every field, for `--help` and the README."""
+    rows = []
+    for name, field in Settings.model_fields.items():
+        default = "unset" if field.default is None else str(field.default)
+        rows.append((f"LATTICE_{name.upper()}", default, field.description or ""))
+    return rows

@@ -1,0 +1,154 @@
+"""docker-compose.yml: valid for Debian's `docker-compose config` (which validates against the
+compose-spec schema it ships), secrets required, services gated as issue 7 says, every file it
+references present in the repository, and its addresses consistent with prometheus.yml."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy.promql import PROMETHEUS_CONFIG
+from tests.deploy.tools import ROOT, require_binary, run
+
+COMPOSE = ROOT / "docker-compose.yml"
+SECRETS = {"POSTGRES_PASSWORD": "s3cret-pg", "GRAFANA_ADMIN_PASSWORD": "s3cret-gf"}
+SERVICES = {"postgres", "migrate", "api", "ray-head", "ray-worker-r1", "ray-worker-r2", "prometheus", "grafana"}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in SECRETS and not k.startswith("COMPOSE_")}
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict:
+    """The compose file as `docker-compose config` resolves it (interpolated, merged, validated)."""
+    compose = require_binary("docker-compose", "docker-compose")
+    result = run([compose, "-f", str(COMPOSE), "config"], env=_env(**SECRETS))
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def raw() -> dict:
+    """The compose file as written (YAML merge keys resolved, ${...} left as is)."""
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.mark.parametrize("missing", sorted(SECRETS))
+def test_config_refuses_to_run_without_a_secret(missing: str) -> None:
+    compose = require_binary("docker-compose", "docker-compose")
+    env = _env(**{k: v for k, v in SECRETS.items() if k != missing})
+    result = run([compose, "-f", str(COMPOSE), "config"], env=env)
+    assert result.returncode != 0
+    assert f"set {missing}" in result.stderr
+
+
+def test_services_and_gating(resolved: dict) -> None:
+    services = resolved["services"]
+    assert set(services) == SERVICES
+    assert services["postgres"]["healthcheck"]["test"]
+    assert services["migrate"]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
+    assert services["migrate"]["command"] == ["/app/deploy/migrate.sh"]
+    assert services["migrate"].get("restart", "no") == "no"
+    assert services["api"]["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}
+    assert services["grafana"]["depends_on"].keys() == {"prometheus"}
+
+
+def test_api_talks_to_postgres_and_the_ray_head(resolved: dict) -> None:
+    env = resolved["services"]["api"]["environment"]
+    password = SECRETS["POSTGRES_PASSWORD"]
+    assert env["LATTICE_DATABASE_URL"] == f"postgresql+psycopg://lattice:{password}@postgres:5432/lattice"
+    assert resolved["services"]["migrate"]["environment"]["LATTICE_DATABASE_URL"] == env["LATTICE_DATABASE_URL"]
+    assert resolved["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"] == password
+    assert env["LATTICE_RAY_ADDRESS"] == "ray-head:6379"
+    assert "--port=6379" in resolved["services"]["ray-head"]["command"]
+    assert env["LATTICE_HOST"] == "0.0.0.0" and env["LATTICE_PORT"] == "8000"
+    assert {"published": 8000, "target": 8000} in resolved["services"]["api"]["ports"]
+
+
+def test_settings_know_every_lattice_variable(resolved: dict) -> None:
+    from service.settings import Settings
+
+    fields = {f"LATTICE_{name.upper()}" for name in Settings.model_fields}
+    for name, service in resolved["services"].items():
+        for var in service.get("environment", {}):
+            if var.startswith("LATTICE_") and var != "LATTICE_DB_WAIT_SECONDS":  # read by deploy/wait_for_db.py
+                assert var in fields, f"{name}: {var} is not a field of service.settings.Settings"
+
+
+def test_two_ray_workers_in_different_racks(resolved: dict) -> None:
+    racks = set()
+    for name in ("ray-worker-r1", "ray-worker-r2"):
+        cmd = resolved["services"][name]["command"]
+        assert cmd[:2] == ["ray", "start"] and "--address=ray-head:6379" in cmd and "--block" in cmd
+        labels = [a.removeprefix("--labels=") for a in cmd if a.startswith("--labels=")]
+        assert len(labels) == 1
+        racks.add(dict(kv.split("=") for kv in labels[0].split(","))["rack"])
+        assert any(re.fullmatch(r"--num-gpus=\d+", a) for a in cmd), f"{name}: no --num-gpus"
+        assert resolved["services"][name]["depends_on"]["ray-head"] == {"condition": "service_healthy"}
+    assert racks == {"r1", "r2"}
+
+
+def test_ray_labels_parse_with_the_installed_ray(resolved: dict) -> None:
+    from ray._private.label_utils import parse_node_labels_string
+
+    for name in ("ray-worker-r1", "ray-worker-r2"):
+        (arg,) = [a for a in resolved["services"][name]["command"] if a.startswith("--labels=")]
+        assert parse_node_labels_string(arg.removeprefix("--labels=")) == {"rack": name[-2:]}
+
+
+def test_lattice_services_share_one_image_built_from_the_dockerfile(raw: dict) -> None:
+    services = raw["services"]
+    built = [n for n in ("migrate", "api", "ray-head", "ray-worker-r1", "ray-worker-r2")]
+    images = {services[n]["image"] for n in built}
+    assert len(images) == 1
+    for name in built:
+        build = services[name]["build"]
+        assert (ROOT / build["context"] / build["dockerfile"]).is_file()
+        assert "TORCH_VARIANT" in build["args"]
+
+
+def test_every_referenced_file_exists(resolved: dict) -> None:
+    checked = 0
+    for name, service in resolved["services"].items():
+        for volume in service.get("volumes", []):
+            if isinstance(volume, str):
+                source = volume.split(":")[0]
+                kind = "bind" if source.startswith((".", "/")) else "volume"
+            else:
+                source, kind = volume["source"], volume["type"]
+            if kind == "bind":
+                assert Path(source).exists(), f"{name}: bind mount source {source} is missing"
+                checked += 1
+    assert checked >= 3  # prometheus config, grafana provisioning, grafana dashboards
+    # the command of the one-off migration is part of the image (copied from the repository)
+    assert (ROOT / "deploy" / "migrate.sh").is_file()
+
+
+def test_mounts_match_what_prometheus_and_grafana_read(raw: dict) -> None:
+    prometheus = raw["services"]["prometheus"]
+    assert "./deploy/prometheus:/etc/prometheus:ro" in prometheus["volumes"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+    grafana = raw["services"]["grafana"]
+    assert "./deploy/grafana/provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
+    assert "./deploy/grafana/dashboards:/var/lib/grafana/dashboards:ro" in grafana["volumes"]
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (ROOT / "deploy/grafana/dashboards" / Path(home).name).is_file()
+
+
+def test_prometheus_targets_are_compose_services(resolved: dict) -> None:
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    jobs = {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+            for job in config["scrape_configs"]}
+    assert jobs["lattice-api"] == ["api:8000"]
+    ray_nodes = {n for n in resolved["services"] if n.startswith("ray-")}
+    assert {t.split(":")[0] for t in jobs["ray"]} == ray_nodes
+    for target in jobs["ray"]:
+        host, port = target.split(":")
+        assert f"--metrics-export-port={port}" in resolved["services"][host]["command"], target

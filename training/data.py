@@ -1,0 +1,322 @@
+"""Training data: deterministic global batches, each DP rank reading a disjoint slice.
+
+Sample numbering. Every sample has a global index ``g``. Step ``s`` consumes the ``global_batch``
+consecutive indices starting at ``base_sample + (s - base_step) * global_batch`` (``base_* = 0``
+for a fresh run), and DP rank ``r`` of ``n`` gets the contiguous slice
+``[r * global_batch // n, (r + 1) * global_batch // n)`` of them. Sample ``g``'s tokens depend
+only on (seed, source, g), so the concatenation over DP ranks is the same global batch for any
+DP size, and a resumed run (``load_state_dict``) continues at exactly the next unseen index, even
+when the resumed run uses another global batch (the anchor ``base_*`` moves to the resume point).
+
+Kinds (``DataConfig.kind``):
+
+- ``"synthetic"``: sequences of a noisy affine recurrence over the vocabulary ``V``:
+  ``x[0] ~ U(V)``, then ``x[t+1] = (a * x[t] + b) mod V`` with probability ``1 - p`` and a uniform
+  random token with probability ``p = 0.1``. ``a`` (coprime with ``V``) and ``b`` are fixed by the
+  seed; each sample's own randomness comes from a generator seeded by (seed, g). A model that
+  learns the bigram rule goes from ``ln V`` to the noise floor
+  ``H = -q ln q - (V - 1) (p / V) ln(p / V)`` with ``q = 1 - p + p / V`` (entropy of the next-token
+  distribution), about 0.9 nats for ``V = 256``; a small transformer gets most of the way within
+  ~20 AdamW steps. It is an infinite stream: the epoch is always 0.
+- ``"tokens"``: nanoGPT's format, a flat file of little-endian uint16 token ids (what
+  ``np.memmap(path, dtype=np.uint16)`` reads), memory-mapped here with ``mmap`` + ``torch.frombuffer``
+  (numpy is not required). Samples are the non-overlapping windows of ``seq_len + 1`` tokens at
+  offsets ``k * seq_len``; epoch ``e`` visits all windows in the order of a permutation seeded by
+  (seed, e), so no window repeats within an epoch.
+
+Each sample is ``seq_len + 1`` tokens; ``inputs = sample[:-1]``, ``targets = sample[1:]``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import mmap
+import os
+import sys
+import warnings
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from training.config import DataConfig
+from training.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+SYNTHETIC_NOISE = 0.1  # probability that the next synthetic token is uniform noise instead of the rule
+_MASK64 = (1 << 64) - 1
+
+
+class DataError(ValueError):
+    """Bad data configuration, an unreadable token file, or a resume that does not match the source."""
+
+
+def _mix_seed(*parts: int) -> int:
+    """splitmix64 (Steele et al. 2014) folded over the parts: a well-spread 63-bit generator seed."""
+    z = 0
+    for part in parts:
+        z = (z + (part & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        z ^= z >> 31
+    return z & ((1 << 63) - 1)
+
+
+def _generator(*parts: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(_mix_seed(*parts))
+    return g
+
+
+class DataSource(ABC):
+    """Global batches by step; see the module docstring for the numbering."""
+
+    kind: str = ""
+
+    def __init__(self, seed: int, seq_len: int, vocab: int, global_batch: int) -> None:
+        if global_batch < 1:
+            raise DataError(f"global_batch must be >= 1, got {global_batch}")
+        self.seed = int(seed)
+        self.seq_len = seq_len
+        self.vocab = vocab
+        self.global_batch = global_batch
+        self._base_step = 0
+        self._base_sample = 0
+        self._next_step = 0
+
+    # -- what a subclass provides ----------------------------------------------------------------
+    @abstractmethod
+    def fingerprint(self) -> str:
+        """Identity of the source (content and interpretation, not the seed), checked on resume."""
+
+    @abstractmethod
+    def _samples(self, indices: list[int]) -> torch.Tensor:
+        """(len(indices), seq_len + 1) int64 tokens of the given global sample indices."""
+
+    def epoch_of(self, sample: int) -> int:
+        return 0
+
+    # -- batches ---------------------------------------------------------------------------------
+    def positions(self, step: int, dp_rank: int, dp_size: int) -> list[int]:
+        """Global sample indices of DP rank ``dp_rank``'s slice of step ``step``'s global batch."""
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise DataError(f"dp_rank must be in [0, dp_size), got dp_rank={dp_rank}, dp_size={dp_size}")
+        if self.global_batch % dp_size != 0:
+            raise DataError(f"dp_size ({dp_size}) must divide the global batch ({self.global_batch})")
+        if step < self._base_step:
+            raise DataError(f"step {step} precedes the resumed data position (step {self._base_step})")
+        local = self.global_batch // dp_size
+        first = self._base_sample + (step - self._base_step) * self.global_batch + dp_rank * local
+        return list(range(first, first + local))
+
+    def batch(self, step: int, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), int64 of shape (global_batch // dp_size, seq_len)."""
+        tokens = self._samples(self.positions(step, dp_rank, dp_size))  # (B, T + 1)
+        self._next_step = step + 1
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    # -- position ------------------------------------------------------------------------------
+    @property
+    def next_step(self) -> int:
+        """The step after the last one served (or the resume point)."""
+        return self._next_step
+
+    @property
+    def samples_consumed(self) -> int:
+        return self._base_sample + (self._next_step - self._base_step) * self.global_batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able data position: resume with ``load_state_dict`` to see exactly the next samples."""
+        consumed = self.samples_consumed
+        return {
+            "version": STATE_VERSION,
+            "kind": self.kind,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "fingerprint": self.fingerprint(),
+            "global_batch": self.global_batch,
+            "next_step": self._next_step,
+            "samples_consumed": consumed,
+            "epoch": self.epoch_of(consumed),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position; refuses a position saved from a different source."""
+        try:
+            version, kind, seed = state["version"], state["kind"], state["seed"]
+            seq_len, fingerprint = state["seq_len"], state["fingerprint"]
+            next_step, consumed = int(state["next_step"]), int(state["samples_consumed"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"data state is malformed (field {e}); keys: {sorted(state)}") from e
+        ours = "this run's is"
+        if version != STATE_VERSION:
+            raise DataError(f"data state version {version} is not supported (expected {STATE_VERSION})")
+        if kind != self.kind:
+            raise DataError(f"cannot resume: the checkpoint's data kind is {kind!r}, {ours} {self.kind!r}")
+        if seed != self.seed:
+            raise DataError(f"cannot resume: the checkpoint's data seed is {seed}, {ours} {self.seed}")
+        if seq_len != self.seq_len:
+            raise DataError(f"cannot resume: the checkpoint's seq_len is {seq_len}, {ours} {self.seq_len}")
+        if fingerprint != self.fingerprint():
+            raise DataError(
+                f"cannot resume: the data source differs from the checkpoint's "
+                f"(fingerprint {fingerprint[:12]} != {self.fingerprint()[:12]}; {self.describe()})"
+            )
+        if next_step < 0 or consumed < 0:
+            raise DataError(f"data state has a negative position: next_step={next_step}, samples={consumed}")
+        if state.get("global_batch") != self.global_batch:
+            log.info(
+                "resuming data at sample %d with global batch %d (was %s)",
+                consumed, self.global_batch, state.get("global_batch"),
+            )
+        self._base_step = self._next_step = next_step
+        self._base_sample = consumed
+
+    def describe(self) -> str:
+        return f"{self.kind} data, seed {self.seed}, seq_len {self.seq_len}"
+
+
+class SyntheticSource(DataSource):
+    """The noisy affine recurrence of the module docstring."""
+
+    kind = "synthetic"
+
+    def __init__(self, seed: int, seq_len: int, vocab: int, global_batch: int,
+                 noise: float = SYNTHETIC_NOISE) -> None:
+        super().__init__(seed, seq_len, vocab, global_batch)
+        if not 0.0 <= noise <= 1.0:
+            raise DataError(f"synthetic noise must be in [0, 1], got {noise}")
+        self.noise = noise
+        rule = _generator(self.seed, 0x5EED)
+        self.b = int(torch.randint(0, vocab, (1,), generator=rule))
+        # The multiplier must be coprime with V so that the rule is a permutation of the vocabulary.
+        candidates = [a for a in range(1, max(vocab, 2)) if math.gcd(a, vocab) == 1] or [1]
+        self.a = candidates[int(torch.randint(0, len(candidates), (1,), generator=rule))]
+
+    def fingerprint(self) -> str:
+        text = f"synthetic-affine-v1 vocab={self.vocab} seq_len={self.seq_len} noise={self.noise}"
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def describe(self) -> str:
+        return f"{super().describe()}, rule x -> ({self.a} x + {self.b}) mod {self.vocab}, noise {self.noise}"
+
+    def _samples(self, indices: list[int]) -> torch.Tensor:
+        n, length, vocab = len(indices), self.seq_len + 1, self.vocab
+        start = torch.empty(n, dtype=torch.int64)
+        is_noise = torch.empty(n, length, dtype=torch.bool)
+        noise_tok = torch.empty(n, length, dtype=torch.int64)
+        for row, g in enumerate(indices):
+            gen = _generator(self.seed, g)
+            start[row] = torch.randint(0, vocab, (1,), generator=gen)
+            is_noise[row] = torch.rand(length, generator=gen) < self.noise
+            noise_tok[row] = torch.randint(0, vocab, (length,), generator=gen)
+        out = torch.empty(n, length, dtype=torch.int64)
+        out[:, 0] = start
+        for t in range(1, length):
+            rule = (self.a * out[:, t - 1] + self.b) % vocab  # (n,)
+            out[:, t] = torch.where(is_noise[:, t], noise_tok[:, t], rule)
+        return out
+
+
+class TokenFileSource(DataSource):
+    """Windows of a memory-mapped nanoGPT uint16 token file, a seeded permutation per epoch."""
+
+    kind = "tokens"
+    _FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of the file: cheap identity for big files
+
+    def __init__(self, path: str, seed: int, seq_len: int, vocab: int, global_batch: int) -> None:
+        super().__init__(seed, seq_len, vocab, global_batch)
+        self.path = os.fspath(path)
+        try:
+            size = os.path.getsize(self.path)
+            with open(self.path, "rb") as f:
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        except OSError as e:
+            raise DataError(f"data.path {self.path!r} cannot be read: {e}") from e
+        if size % 2 != 0:
+            raise DataError(f"data.path {self.path!r} has {size} bytes; a uint16 token file has an even size")
+        self.n_tokens = size // 2
+        self.n_windows = (self.n_tokens - 1) // seq_len if self.n_tokens else 0
+        if self.n_windows < 1:
+            raise DataError(
+                f"data.path {self.path!r} holds {self.n_tokens} tokens; "
+                f"at least seq_len + 1 = {seq_len + 1} are needed"
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we never write through it
+            self._tokens = torch.frombuffer(self._mmap, dtype=torch.uint16)  # (n_tokens,), no copy
+        self._perms: dict[int, torch.Tensor] = {}
+        self._fingerprint: str | None = None
+
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            assert self._mmap is not None
+            h = hashlib.sha256(f"tokens-uint16-v1 n={self.n_tokens} seq_len={self.seq_len}".encode())
+            span = self._FINGERPRINT_SPAN
+            h.update(self._mmap[:span])
+            h.update(self._mmap[max(0, len(self._mmap) - span):])
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    def describe(self) -> str:
+        return f"{super().describe()}, {self.path} ({self.n_tokens} tokens, {self.n_windows} windows)"
+
+    def epoch_of(self, sample: int) -> int:
+        return sample // self.n_windows
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            # O(n_windows) int64 memory per epoch; two epochs are cached (a batch may span a boundary).
+            perm = torch.randperm(self.n_windows, generator=_generator(self.seed, 0xE90C, epoch))
+            if len(self._perms) >= 2:
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = perm
+        return perm
+
+    def window_of(self, sample: int) -> int:
+        """Index k of the window (tokens [k * seq_len, k * seq_len + seq_len + 1)) read as sample g."""
+        return int(self._permutation(self.epoch_of(sample))[sample % self.n_windows])
+
+    def _samples(self, indices: list[int]) -> torch.Tensor:
+        out = torch.empty(len(indices), self.seq_len + 1, dtype=torch.int64)
+        for row, g in enumerate(indices):
+            offset = self.window_of(g) * self.seq_len
+            out[row] = self._tokens[offset: offset + self.seq_len + 1].to(torch.int64)
+        if out.numel() and int(out.max()) >= self.vocab:
+            raise DataError(
+                f"data.path {self.path!r} holds token id {int(out.max())} >= model.vocab ({self.vocab})"
+            )
+        return out
+
+
+def make_data_source(cfg: DataConfig, model: ModelSpec, global_batch: int) -> DataSource:
+    """The data source a run's config names, producing (B, model.seq_len) batches."""
+    if cfg.kind == "synthetic":
+        return SyntheticSource(cfg.seed, model.seq_len, model.vocab, global_batch)
+    if cfg.kind == "tokens":
+        if not cfg.path:
+            raise DataError("data.path is required when data.kind is 'tokens'")
+        return TokenFileSource(cfg.path, cfg.seed, model.seq_len, model.vocab, global_batch)
+    raise DataError(f"data.kind must be 'synthetic' or 'tokens', got {cfg.kind!r}")
+
+
+def write_token_file(path: str | os.PathLike[str], tokens: Any) -> int:
+    """Write token ids (a tensor, numpy array or sequence of ints in [0, 65535]) in nanoGPT's
+    uint16 format; returns the number of tokens. For tests and demos."""
+    if sys.byteorder != "little":  # nanoGPT files are little-endian uint16
+        raise DataError("write_token_file supports little-endian hosts only")
+    if hasattr(tokens, "astype"):  # numpy array: avoid relying on torch's numpy uint16 bridge
+        tokens = tokens.astype("int64").tolist()
+    t = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) > 0xFFFF):
+        raise DataError(f"token ids must be in [0, 65535], got range [{int(t.min())}, {int(t.max())}]")
+    data = t.to(torch.int32).to(torch.uint16).contiguous()  # (n,) little-endian uint16
+    with open(path, "wb") as f:
+        f.write(ctypes.string_at(data.data_ptr(), 2 * data.numel()))
+    return int(t.numel())

@@ -1,0 +1,258 @@
+"""A GPT-style decoder in one file: RMSNorm, RoPE, grouped-query attention, SwiGLU or GELU MLP.
+
+Built from the planner's `ModelSpec`. Canonical parameter names (kept by every layout, so state
+dicts, checkpoints and digests do not depend on how the model is split):
+
+    tok_embeddings.weight
+    layers.<i>.attention_norm.weight
+    layers.<i>.attention.{wq,wk,wv,wo}.weight
+    layers.<i>.ffn_norm.weight
+    layers.<i>.feed_forward.{w1,w2,w3}.weight      (w3 only for swiglu)
+    norm.weight
+    output.weight                                   (absent when tied_embeddings)
+
+A pipeline stage is the same class with the layers it does not own deleted and
+`tok_embeddings` / `norm` / `output` set to None where absent (torchtitan's convention).
+
+Initialisation is by name: every parameter is drawn from a generator seeded by (seed, name)
+over its *full* shape, and a sharded parameter (DTensor) keeps the slice it owns. The same seed
+therefore gives the same full weights for any layout, including a model built on the meta
+device and materialised after tensor parallelism or FSDP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from training.spec import ModelSpec
+
+# Wrapper prefixes that torch inserts into parameter names; stripped to get canonical names.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+INIT_STD = 0.02  # GPT-2 / nanoGPT
+
+
+def canonical_name(name: str) -> str:
+    """The layout-independent name of a parameter (wrapper prefixes removed)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the rotary angles, each (seq_len, head_dim / 2) (Su et al. 2021, eq. 34)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x (B, T, H, hd) by the angle of each position."""
+    t = x.shape[1]
+    x32 = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, T, H, hd/2, 2)
+    x1, x2 = x32[..., 0], x32[..., 1]
+    c, s = cos[:t, None, :], sin[:t, None, :]  # (T, 1, hd/2)
+    out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)  # (B, T, H, hd/2, 2)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads (kv_heads divides heads)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.head_dim = spec.head_dim
+        self.n_rep = spec.heads // spec.n_kv_heads  # query heads per key/value head
+        self.wq = nn.Linear(spec.hidden, spec.heads * spec.head_dim, bias=False)
+        self.wk = nn.Linear(spec.hidden, spec.n_kv_heads * spec.head_dim, bias=False)
+        self.wv = nn.Linear(spec.hidden, spec.n_kv_heads * spec.head_dim, bias=False)
+        self.wo = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, t, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds heads / tp of them.
+        q = self.wq(x).view(bsz, t, -1, self.head_dim)  # (B, T, Hq, hd)
+        k = self.wk(x).view(bsz, t, -1, self.head_dim)  # (B, T, Hkv, hd)
+        v = self.wv(x).view(bsz, t, -1, self.head_dim)  # (B, T, Hkv, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_rep > 1:
+            k = k.repeat_interleave(self.n_rep, dim=2)  # (B, T, Hq, hd)
+            v = v.repeat_interleave(self.n_rep, dim=2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # (B, Hq, T, hd)
+        y = y.transpose(1, 2).reshape(bsz, t, -1)  # (B, T, Hq * hd)
+        return self.wo(y)  # (B, T, C)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (Shazeer 2020: w2(silu(w1 x) * w3 x)) or the GPT-2 GELU MLP (w2(gelu(w1 x)))."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.swiglu = spec.activation == "swiglu"
+        self.w1 = nn.Linear(spec.hidden, spec.ffn_dim, bias=False)
+        self.w2 = nn.Linear(spec.ffn_dim, spec.hidden, bias=False)
+        self.w3 = nn.Linear(spec.hidden, spec.ffn_dim, bias=False) if self.swiglu else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, C)
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))  # (B, T, C)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block. `recompute` is set by `training.parallelize` (none | selective | full)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(spec.hidden, spec.norm_eps)
+        self.attention = Attention(spec)
+        self.ffn_norm = RMSNorm(spec.hidden, spec.norm_eps)
+        self.feed_forward = FeedForward(spec)
+        self.recompute = "none"
+
+    def _attention_branch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.attention(self.attention_norm(x), cos, sin)
+
+    def _block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "selective":
+            h = x + checkpoint(self._attention_branch, x, cos, sin, use_reentrant=False)
+        else:
+            h = x + self._attention_branch(x, cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "full":
+            return checkpoint(self._block, x, cos, sin, use_reentrant=False)
+        return self._block(x, cos, sin)
+
+
+class Transformer(nn.Module):
+    """tokens (B, T) -> logits (B, T, vocab); a pipeline stage maps activations to activations."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(spec) for i in range(spec.layers)})
+        self.norm: RMSNorm | None = RMSNorm(spec.hidden, spec.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        if spec.tied_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not persistent: derived from the spec, recomputed by init_weights after a meta build.
+        cos, sin = rope_tables(spec.head_dim, spec.seq_len, spec.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T, C)
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)  # (B, T, C)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h  # (B, T, V) or (B, T, C)
+
+    # ---- initialisation ---------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter and buffer deterministically from (seed, canonical name)."""
+        device = self.rope_cos.device
+        cos, sin = rope_tables(self.spec.head_dim, self.spec.seq_len, self.spec.rope_theta, device=device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        for name, param in self.named_parameters():
+            full = init_tensor(self.spec, canonical_name(name), tuple(param.shape), seed)
+            copy_full_into(param, full)
+
+
+def _name_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_tensor(spec: ModelSpec, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The full float32 initial value of the parameter `name` (on CPU)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    std = INIT_STD
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        std = INIT_STD / math.sqrt(2 * spec.layers)  # residual projections, GPT-2 paper section 2.3
+    gen = torch.Generator().manual_seed(_name_seed(seed, name))
+    return torch.randn(shape, generator=gen) * std
+
+
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the part of the full tensor that `param` holds (all of it, or its DTensor shard)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank already has the full value, so it just keeps its slice.
+        shard = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full.to(dtype=param.dtype, device=param.device))
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over all tokens of the (micro-)batch."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def build_model(spec: ModelSpec, seed: int, device: torch.device | str = "cpu") -> Transformer:
+    """The full model, initialised (no parallelism); on "meta" it is left uninitialised."""
+    with torch.device(device):
+        model = Transformer(spec)
+    if torch.device(device).type != "meta":
+        model.init_weights(seed)
+    return model
+
+
+def prune_to_stage(model: Transformer, layer_ids: list[int], first: bool, last: bool) -> Transformer:
+    """Keep only the layers of one pipeline stage, with their canonical names (in place)."""
+    for key in list(model.layers.keys()):
+        if int(key) not in layer_ids:
+            del model.layers[key]
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def count_params(spec: ModelSpec) -> tuple[int, int]:
+    """(total, embedding) parameter counts of the full dense model."""
+    h, f, kv = spec.hidden, spec.ffn_dim, spec.n_kv_heads * spec.head_dim
+    attn = 2 * h * h + 2 * h * kv
+    mlp = (3 if spec.activation == "swiglu" else 2) * h * f
+    per_layer = attn + mlp + 2 * h
+    embed = spec.vocab * h
+    head = 0 if spec.tied_embeddings else spec.vocab * h
+    return spec.layers * per_layer + embed + head + h, embed
+
+
+def flops_per_token(spec: ModelSpec) -> float:
+    """Training FLOPs per token: 6N (non-embedding) + 12 L h s attention (PaLM, Chowdhery et al. 2022, App. B)."""
+    total, embed = count_params(spec)
+    return 6.0 * (total - embed) + 12.0 * spec.layers * spec.hidden * spec.seq_len

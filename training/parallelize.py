@@ -1,0 +1,289 @@
+"""Apply a Layout to one model (or one pipeline stage), in one fixed, visible order.
+
+    tensor parallel (+ sequence parallel)  ->  activation recomputation
+        ->  FSDP (ZeRO-2/3)  ->  materialise weights  ->  DDP (ZeRO-0/1)
+
+Pipeline parallelism wraps this (training.pipeline calls `parallelize` once per stage).
+Weights are materialised after FSDP has sharded them (so no rank ever holds a full copy of a
+model built on the meta device) and before DDP, which broadcasts rank 0's weights at
+construction and so needs them to exist.
+
+Recomputation modes (Layout.recompute):
+  none       keep every activation.
+  selective  recompute the attention branch (norm, QKV, RoPE, attention, output projection) of
+             every block in backward and keep the MLP's activations: attention's activations grow
+             with the sequence and are cheap to recompute relative to the MLP (Korthikanti et al.
+             2022, section 4). Implemented with torch.utils.checkpoint inside the block.
+  full       recompute each whole block from its input (one saved tensor per layer).
+Recomputation is a flag on each block rather than a checkpoint_wrapper, so parameter names
+stay canonical.
+
+Gradient synchronisation over the data-parallel group, by ZeRO stage:
+  0  training.parallel.ddp.DDP (dp_impl "lattice") or torch DDP (dp_impl "torch")
+  1  the same gradient all-reduce, then training.parallel.zero.ShardedOptimizer(AdamW)
+  2  fully_shard(reshard_after_forward=False) per block, then the root
+  3  fully_shard(reshard_after_forward=True) per block, then the root
+With pipeline parallelism each stage module is wrapped the same way. A stage runs backward
+once per micro-batch (the zero-bubble schedules split it into input and weight parts), so the
+train loop runs the whole schedule inside DDP's `no_sync()` and reduces once after the flush
+(`finish_gradient_synchronization` launches every bucket from the final gradients), as
+Megatron-LM does; FSDP stages are driven by the pipeline stage itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from training.config import RunConfig
+from training.layout import Layout, LayoutError
+from training.model import Transformer
+from training.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+# ---- validation ------------------------------------------------------------------------
+def check_layout_for_model(spec: ModelSpec, layout: Layout) -> None:
+    """Raise LayoutError when this layout cannot split this model."""
+    if spec.is_moe:
+        raise LayoutError("model.num_experts > 0 (MoE) is not supported by the training engine; use a dense model")
+    tp = layout.tp
+    if tp > 1:
+        for field, value in (("model.heads", spec.heads), ("model.kv_heads", spec.n_kv_heads),
+                             ("model.ffn", spec.ffn_dim), ("model.vocab", spec.vocab)):
+            if value % tp:
+                raise LayoutError(f"layout.tp ({tp}) must divide {field} ({value})")
+    if layout.sequence_parallel and spec.seq_len % tp:
+        raise LayoutError(f"layout.tp ({tp}) must divide model.seq_len ({spec.seq_len}) for sequence_parallel")
+    if layout.pp > 1 and spec.tied_embeddings:
+        raise LayoutError("model.tied_embeddings needs pp = 1 (the embedding and the head live on different stages)")
+    if layout.pp > 1 and spec.layers < layout.num_stages:
+        raise LayoutError(
+            f"model.layers ({spec.layers}) must be >= pp x virtual_stages ({layout.num_stages}) pipeline stages"
+        )
+
+
+# ---- tensor parallel -------------------------------------------------------------------
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Megatron layout: QKV and MLP-up column-wise, attention-out and MLP-down row-wise.
+
+    With sequence parallel the residual stream between blocks is sharded on the sequence
+    dimension (B, T/tp, C); norms run on their shard and the attention / MLP inputs are
+    all-gathered (Korthikanti et al. 2022, section 4.2.2). Layout follows torchtitan.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and sequence_parallel:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        # Logits are all-gathered so the loss is an ordinary cross-entropy on every TP rank.
+        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(), use_local_output=True)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    if model.spec.tied_embeddings and model.output is not None and model.tok_embeddings is not None:
+        # Both are Shard(0) over the vocabulary; re-tie the two DTensor parameters.
+        model.output.weight = model.tok_embeddings.weight
+
+    for block in model.layers.values():
+        plan: dict[str, object] = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if block.feed_forward.w3 is not None:
+            plan["feed_forward.w3"] = ColwiseParallel()
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+            plan["attention"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            )
+            plan["feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+        parallelize_module(block, tp_mesh, plan)
+
+
+def align_grad_placements(model: nn.Module) -> None:
+    """Make each DTensor parameter's gradient arrive with the parameter's own placements.
+
+    Autograd leaves some TP gradients in another layout: under sequence parallel a norm weight's
+    gradient is Partial (each rank summed over its own tokens) and the embedding's is Replicate.
+    Optimizers on DTensors cope, but the DP code works on local shards (`to_local()`), so the
+    gradient is redistributed before it is accumulated: Partial -> Replicate is the all-reduce
+    over the TP group that Megatron-LM does for sequence-parallel norms; Replicate -> Shard is a
+    local slice.
+    """
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.requires_grad:
+            mesh, placements = p.device_mesh, tuple(p.placements)
+
+            def to_param_layout(grad: torch.Tensor, mesh: DeviceMesh = mesh,
+                                placements: tuple = placements) -> torch.Tensor:
+                if isinstance(grad, DTensor) and tuple(grad.placements) != placements:
+                    return grad.redistribute(mesh, placements)
+                return grad
+
+            p.register_hook(to_param_layout)
+
+
+# ---- activation recomputation ------------------------------------------------------------
+def apply_recompute(model: Transformer, mode: str) -> None:
+    for block in model.layers.values():
+        block.recompute = mode
+
+
+# ---- FSDP (ZeRO-2 / ZeRO-3) ---------------------------------------------------------------
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, reshard_after_forward: bool, device_type: str) -> None:
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if device_type == "cuda" else MixedPrecisionPolicy())
+    blocks = list(model.layers.values())
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    # The root keeps embeddings / norm / head; it is needed right after the last block in
+    # backward and first in forward, so it is never resharded after forward.
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+    # Explicit prefetch of the next block (forward) and the previous one (backward).
+    for i, block in enumerate(blocks):
+        if i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch([blocks[i + 1]])
+        if i > 0:
+            block.set_modules_to_backward_prefetch([blocks[i - 1]])
+
+
+# ---- materialisation -----------------------------------------------------------------------
+def materialize(model: Transformer, seed: int, device: torch.device) -> None:
+    """Allocate a meta-built model on `device` and initialise it by name (no-op if not on meta)."""
+    if not any(p.is_meta for p in model.parameters()) and not model.rope_cos.is_meta:
+        return
+    model.to_empty(device=device)
+    model.init_weights(seed)
+
+
+# ---- data parallel ---------------------------------------------------------------------------
+def apply_data_parallel(model: nn.Module, layout: Layout, dp_group: dist.ProcessGroup, dp_impl: str) -> nn.Module:
+    if dp_impl == "torch":
+        if layout.tp > 1 or layout.pp > 1:
+            raise LayoutError(
+                "train.dp_impl 'torch' (torch DDP) needs tp = 1 and pp = 1; use dp_impl 'lattice' or zero_stage 2/3"
+            )
+        return torch.nn.parallel.DistributedDataParallel(model, process_group=dp_group)
+    from training.parallel.ddp import DDP
+
+    return DDP(model, process_group=dp_group)
+
+
+def parallelize(model: Transformer, layout: Layout, mesh: DeviceMesh, run_cfg: RunConfig,
+                device: torch.device | None = None) -> nn.Module:
+    """TP -> recompute -> FSDP -> materialise -> DDP. Returns the module to run forward on."""
+    check_layout_for_model(model.spec, layout)
+    device = device or torch.device(mesh.device_type)
+    if layout.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], layout.sequence_parallel)
+    apply_recompute(model, layout.recompute)
+    if layout.zero_stage >= 2 and layout.dp > 1:
+        apply_fsdp(model, mesh["dp"], reshard_after_forward=layout.zero_stage == 3, device_type=device.type)
+    materialize(model, run_cfg.seed, device)
+    if layout.tp > 1 and not isinstance(model, FSDPModule):
+        # After materialising: to_empty() replaces meta parameters, dropping their hooks.
+        align_grad_placements(model)
+    if layout.zero_stage < 2 and layout.dp > 1:
+        return apply_data_parallel(model, layout, mesh["dp"].get_group(), run_cfg.dp_impl)
+    return model
+
+
+def unwrap(module: nn.Module) -> Transformer:
+    """The Transformer inside a DDP wrapper (ours or torch's); FSDP modules are their own."""
+    inner = getattr(module, "module", module)
+    assert isinstance(inner, Transformer), type(inner)
+    return inner
+
+
+# ---- gradient accumulation and synchronisation -----------------------------------------------
+@contextlib.contextmanager
+def microbatch_context(module: nn.Module, is_last: bool) -> Iterator[None]:
+    """Skip the data-parallel gradient reduction on every micro-batch but the last."""
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(is_last)
+        yield
+    elif not is_last and hasattr(module, "no_sync"):
+        with module.no_sync():
+            yield
+    else:
+        yield
+
+
+def finish_grad_sync(modules: list[nn.Module]) -> None:
+    """Complete the data-parallel gradient average after the last backward of a step."""
+    for module in modules:
+        if hasattr(module, "finish_gradient_synchronization"):
+            module.finish_gradient_synchronization()
+
+
+@contextlib.contextmanager
+def no_grad_sync(modules: list[nn.Module]) -> Iterator[None]:
+    """Hold back DDP's per-gradient reductions (used around a whole pipeline schedule)."""
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            if hasattr(module, "no_sync") and not isinstance(module, FSDPModule):
+                stack.enter_context(module.no_sync())
+        yield
+
+
+# ---- optimiser ----------------------------------------------------------------------------------
+def build_optimizer(model_parts: list[nn.Module], layout: Layout, run_cfg: RunConfig,
+                    dp_group: dist.ProcessGroup | None) -> torch.optim.Optimizer:
+    """AdamW over every trainable parameter of this rank's parts; ZeRO-1 shards its state over dp."""
+    seen: set[int] = set()
+    params = []
+    for part in model_parts:
+        for p in part.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    o = run_cfg.optim
+    kwargs = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    if layout.zero_stage == 1 and layout.dp > 1:
+        from training.parallel.zero import ShardedOptimizer
+
+        return ShardedOptimizer(params, torch.optim.AdamW, process_group=dp_group, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
+@torch.no_grad()
+def clip_grad_norm(model_parts: list[nn.Module], max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
+    """Clip by the global L2 norm over all stages (DTensor grads reduce over their own meshes)."""
+    grads = [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    for g in grads:
+        n = torch.linalg.vector_norm(g.float())
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        sq = sq + n.to(sq.device) ** 2
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(sq, group=pp_group)
+    total = sq.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device) if not isinstance(g, DTensor) else coef.item())
+    return float(total)

@@ -1,0 +1,324 @@
+"""The train loop: what every rank runs for one job.
+
+    result = train(ctx, cfg, hooks)
+
+Builds the mesh (training.mesh), the model or this rank's pipeline stages on the meta device,
+applies the layout (training.parallelize / training.pipeline), the optimiser and the data
+source, restores the newest valid checkpoint, then runs `cfg.steps` optimizer steps. One step:
+
+  1. every DP rank reads its disjoint slice of the step's global batch;
+  2. forward + backward over `num_microbatches` micro-batches (pp = 1: gradient accumulation,
+     the DP reduction held back until the last one), or the pipeline schedule (pp > 1);
+  3. the DP gradient average completes; optional clipping; the optimizer steps;
+  4. the global-batch mean loss (the same on every rank), NaN/Inf and spike checks, and every
+     `integrity.fingerprint_every` steps the DP replicas' parameter fingerprints are compared
+     (only when replicas must be bitwise equal: ZeRO-0/1 with dp > 1);
+  5. the hooks see the progress and may ask for a checkpoint or a stop.
+Control decisions (checkpoint, stop, integrity failure) are agreed by all ranks with one small
+all-reduce per step, so no rank leaves a collective the others are in.
+
+Step numbers count completed optimizer steps: step s (1-based) consumes the data of step s, and
+a checkpoint of step s resumes at step s + 1.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from training.checkpoint import CheckpointInfo, load_latest_checkpoint, save_checkpoint, wait_pending
+from training.config import RunConfig
+from training.data import make_data_source
+from training.digest import full_state, model_digest
+from training.dist import DistContext
+from training.integrity import (
+    BitFlipInjector,
+    IntegrityError,
+    LossSpikeDetector,
+    check_finite,
+    find_divergent_replicas,
+    param_fingerprint,
+)
+from training.mesh import ParallelDims
+from training.model import Transformer, cross_entropy_loss, flops_per_token as model_flops_per_token
+from training.parallelize import (
+    build_optimizer,
+    check_layout_for_model,
+    clip_grad_norm,
+    finish_grad_sync,
+    microbatch_context,
+    no_grad_sync,
+    parallelize,
+    unwrap,
+)
+from training.pipeline import Pipeline, build_pipeline
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 tensor-core peaks (vendor datasheets), for MFU. Unknown devices report mfu=None.
+_PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("B200", 2250e12), ("L40S", 362e12))
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for key, v in _PEAK_FLOPS if key in name), None)
+
+
+class Action(enum.Enum):
+    CONTINUE = "continue"
+    CHECKPOINT = "checkpoint"
+    STOP = "stop"  # stop after this step, without a final checkpoint
+    CHECKPOINT_AND_STOP = "checkpoint_and_stop"
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    step: int
+    loss: float  # global-batch mean, the same on every rank
+    tokens_per_s: float
+    step_time_s: float
+    mfu: float | None  # None when the device's peak FLOP/s is unknown (CPU)
+    data_positions: list[int]  # global sample indices this rank trained on in this step
+
+
+class TrainHooks:
+    """Override what you need. Every rank calls its own hooks; actions are agreed across ranks."""
+
+    #: Bit flips to inject (tests of the integrity checks): grads after the DP average, params
+    #: after the optimizer step, so a flip on one replica makes it diverge from the others.
+    injector: BitFlipInjector | None = None
+
+    def on_step(self, info: StepInfo) -> Action | None:
+        return None
+
+    def should_checkpoint(self, step: int) -> bool:
+        return False
+
+    def on_checkpoint(self, step: int, path: str, nbytes: int, seconds: float) -> None:
+        return None
+
+    def on_integrity_error(self, error: IntegrityError) -> Action | None:
+        """Default: raise. Return an Action to keep going (CONTINUE) or stop (STOP) instead."""
+        raise error
+
+
+@dataclass
+class TrainResult:
+    final_step: int
+    losses: list[float]  # one per step run in this call
+    model_digest: str
+    checkpoints: list[CheckpointInfo] = field(default_factory=list)
+    resumed_from: int | None = None
+
+
+class Trainer:
+    """One rank's model parts, optimizers and data, and the step function."""
+
+    def __init__(self, ctx: DistContext, cfg: RunConfig, hooks: TrainHooks | None = None,
+                 flops_per_token: float | None = None) -> None:
+        self.ctx, self.cfg, self.hooks = ctx, cfg, hooks or TrainHooks()
+        layout = cfg.layout
+        check_layout_for_model(cfg.model, layout)
+        torch.manual_seed(cfg.seed)
+        self.dims = ParallelDims.build(layout, ctx.device.type)
+        self.dp_group = self.dims.group("dp")
+        self.pipeline: Pipeline | None = None
+        if layout.pp > 1:
+            self.pipeline = build_pipeline(cfg.model, cfg, self.dims, ctx.device)
+            self.modules: list[nn.Module] = list(self.pipeline.modules)
+        else:
+            with torch.device("meta"):
+                model = Transformer(cfg.model)
+            self.modules = [parallelize(model, layout, self.dims.mesh, cfg, device=ctx.device)]
+        self.parts: list[Transformer] = [unwrap(m) for m in self.modules]
+        # One optimizer per model part (checkpoints pair each part with its optimizer).
+        self.optimizers = [build_optimizer([p], layout, cfg, self.dp_group) for p in self.parts]
+        self.data = make_data_source(cfg.data, cfg.model, cfg.global_batch)
+        self.spikes = LossSpikeDetector(cfg.integrity.loss_spike_factor)
+        self.flops_per_token = flops_per_token or model_flops_per_token(cfg.model)
+        self.peak = peak_flops(ctx.device)
+        self.step = 0
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def restore(self) -> int | None:
+        root = self.cfg.checkpoint.dir
+        if not root:
+            return None
+        loaded = load_latest_checkpoint(root, list(self.parts), self.optimizers)
+        if loaded is None:
+            return None
+        step, extra = loaded
+        if "data" in extra:
+            self.data.load_state_dict(extra["data"])
+        self.step = step
+        log.info("resumed from checkpoint step %d", step)
+        return step
+
+    def save(self) -> list[CheckpointInfo]:
+        """Save this step; returns the checkpoints committed by this call (async: the previous one)."""
+        c = self.cfg.checkpoint
+        assert c.dir
+        done = []
+        previous = wait_pending()
+        if previous is not None:
+            done.append(previous)
+        info = save_checkpoint(c.dir, self.step, list(self.parts), self.optimizers,
+                               {"data": self.data.state_dict()}, keep=c.keep, async_save=c.async_save)
+        if info.committed:
+            done.append(info)
+        return done
+
+    # ---- one step ----------------------------------------------------------------------------
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Gradients of the mean loss over this rank's slice; returns the local mean loss (None on
+        pipeline ranks without the last stage)."""
+        layout = self.cfg.layout
+        if self.pipeline is not None:
+            with no_grad_sync(self.modules):
+                loss = self.pipeline.step(inputs, targets)
+            finish_grad_sync(self.modules)
+            return loss
+        module, n = self.modules[0], layout.num_microbatches
+        total = torch.zeros((), device=self.ctx.device)
+        for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
+            with microbatch_context(module, is_last=i == n - 1):
+                loss = cross_entropy_loss(module(x), y) / n  # mean over the slice's tokens
+                loss.backward()
+            total += loss.detach()
+        finish_grad_sync(self.modules)
+        return total
+
+    def global_loss(self, local: torch.Tensor | None) -> float:
+        """Mean over DP replicas of the last stage's loss; identical on every rank."""
+        layout = self.cfg.layout
+        t = (local.detach().float() if local is not None else torch.zeros(())).to(self.ctx.device).reshape(1)
+        dist.all_reduce(t)
+        # Every rank holding the last stage (dp x cp x tp of them) contributed; the others gave 0.
+        return float(t.item()) / (layout.dp * layout.cp * layout.tp)
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [item for part in self.parts for item in part.named_parameters()]
+
+    def train_step(self, step: int) -> tuple[float, list[int]]:
+        dims = self.dims
+        inputs, targets = self.data.batch(step, dims.dp_rank, dims.dp_size)
+        positions = self.data.positions(step, dims.dp_rank, dims.dp_size)
+        local_loss = self.forward_backward(inputs.to(self.ctx.device), targets.to(self.ctx.device))
+        injector = self.hooks.injector
+        if injector is not None:
+            injector.maybe_flip_grads(step, self.named_parameters())
+        if self.cfg.optim.grad_clip:
+            clip_grad_norm(list(self.parts), self.cfg.optim.grad_clip, dims.group("pp"))
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if injector is not None:
+            injector.maybe_flip_params(step, self.named_parameters())
+        self.step = step
+        return self.global_loss(local_loss), positions
+
+    def check_integrity(self, step: int, loss: float) -> IntegrityError | None:
+        cfg, layout = self.cfg, self.cfg.layout
+        try:
+            if cfg.integrity.check_finite:
+                check_finite(loss, step)
+            self.spikes.check(loss, step)
+            every = cfg.integrity.fingerprint_every
+            if every and step % every == 0 and layout.zero_stage <= 1 and layout.dp > 1:
+                divergent = find_divergent_replicas(param_fingerprint(list(self.parts)), self.dp_group)
+                if divergent:
+                    raise IntegrityError("divergent_replicas", step, divergent,
+                                         {"dp_group": dist.get_process_group_ranks(self.dp_group)})
+        except IntegrityError as e:
+            return e
+        return None
+
+    # ---- results -----------------------------------------------------------------------------
+    def full_state(self) -> dict[str, torch.Tensor]:
+        return full_state(list(self.parts), self.cfg.layout, self.dims.mesh)
+
+    def digest(self) -> str:
+        return model_digest(list(self.parts), self.cfg.layout, self.dims.mesh)
+
+
+def _agree(flags: list[bool], device: torch.device) -> list[bool]:
+    """Logical OR of each flag over all ranks."""
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
+
+
+def _shared_error(error: IntegrityError | None) -> IntegrityError:
+    """The integrity error every rank raises: the lowest-ranked detector's, with all detectors' ranks."""
+    errors: list[IntegrityError | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    found = [e for e in errors if e is not None]
+    first = found[0]
+    ranks = sorted({r for e in found for r in e.ranks})
+    return IntegrityError(first.kind, first.step, ranks, first.evidence)
+
+
+def train(ctx: DistContext, cfg: RunConfig, hooks: TrainHooks | None = None, *, resume: bool = True,
+          flops_per_token: float | None = None) -> TrainResult:
+    hooks = hooks or TrainHooks()
+    trainer = Trainer(ctx, cfg, hooks, flops_per_token)
+    resumed = trainer.restore() if resume else None
+    layout, device = cfg.layout, ctx.device
+    tokens_per_step = cfg.global_batch * cfg.model.seq_len
+    losses: list[float] = []
+    checkpoints: list[CheckpointInfo] = []
+    last_saved = resumed
+
+    def checkpoint() -> None:
+        nonlocal last_saved
+        for info in trainer.save():
+            checkpoints.append(info)
+            hooks.on_checkpoint(info.step, info.path, info.bytes, info.seconds)
+        last_saved = trainer.step
+
+    stopped = False
+    for step in range(trainer.step + 1, cfg.steps + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        loss, positions = trainer.train_step(step)
+        error = trainer.check_integrity(step, loss)
+        elapsed = time.perf_counter() - started
+        losses.append(loss)
+        tps = tokens_per_step / elapsed
+        mfu = tps * trainer.flops_per_token / (layout.world_size * trainer.peak) if trainer.peak else None
+        action = hooks.on_step(StepInfo(step, loss, tps, elapsed, mfu, positions)) or Action.CONTINUE
+        want_ckpt = action in (Action.CHECKPOINT, Action.CHECKPOINT_AND_STOP) or hooks.should_checkpoint(step)
+        want_stop = action in (Action.STOP, Action.CHECKPOINT_AND_STOP)
+        want_ckpt, want_stop, failed = _agree([want_ckpt, want_stop, error is not None], device)
+        if failed:
+            shared = _shared_error(error)
+            log.error("integrity check failed: %s", shared)
+            reaction = hooks.on_integrity_error(shared) or Action.STOP
+            want_stop = want_stop or _agree([reaction != Action.CONTINUE], device)[0]
+        every = cfg.checkpoint.every_steps
+        if cfg.checkpoint.dir and (want_ckpt or (every and step % every == 0)):
+            checkpoint()
+        if step % 10 == 0 or step == cfg.steps:
+            log.info("step %d loss %.4f %.0f tok/s", step, loss, tps)
+        if want_stop:
+            stopped = True
+            log.info("stopping after step %d as asked", step)
+            break
+    if cfg.checkpoint.dir and not stopped and last_saved != trainer.step:
+        checkpoint()
+    if cfg.checkpoint.dir:
+        pending = wait_pending()
+        if pending is not None:
+            checkpoints.append(pending)
+            hooks.on_checkpoint(pending.step, pending.path, pending.bytes, pending.seconds)
+    return TrainResult(final_step=trainer.step, losses=losses, model_digest=trainer.digest(),
+                       checkpoints=checkpoints, resumed_from=resumed)

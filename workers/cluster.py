@@ -1,0 +1,173 @@
+"""The Ray cluster Lattice runs on: an embedded local one, or an existing one by address.
+
+Embedded (`lattice serve` with no Ray address, the demo, the tests): one head node without GPUs
+(it hosts the driver and the job controllers) plus `racks x nodes_per_rack` simulated nodes on
+this machine, each a real raylet with `gpus_per_node` virtual GPUs (Ray's "GPU" resource on CPU)
+and the labels a production node gets from `ray start --labels`: {"rack": "r1", "node_name":
+"r1-n1"}. Ray's session files go under `temp_dir` (default `.lattice/ray`).
+
+Production: `connect(address)` joins a cluster whose nodes were started with, e.g.,
+`ray start --address=<head>:6379 --labels='{"rack": "r1"}'`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "lattice"
+MiB = 1024 * 1024
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class EmbeddedClusterConfig:
+    racks: int = 2
+    nodes_per_rack: int = 2
+    gpus_per_node: int = 4
+    cpus_per_node: int = 1  # rank actors ask for a fraction of one CPU each
+    head_cpus: int = 1
+    object_store_mb: int = 100  # per node; the 2-core / 24 GB machines need it small
+    temp_dir: str = ".lattice/ray"
+    metrics_export_port: int | None = None  # the head node's Prometheus endpoint; None = Ray picks
+    namespace: str = NAMESPACE
+
+    def __post_init__(self) -> None:
+        for name in ("racks", "nodes_per_rack", "gpus_per_node", "cpus_per_node"):
+            if getattr(self, name) < 1:
+                raise ClusterError(f"cluster.{name} must be >= 1, got {getattr(self, name)}")
+        if self.object_store_mb < 75:
+            raise ClusterError(
+                f"cluster.object_store_mb must be >= 75 (Ray's minimum), got {self.object_store_mb}"
+            )
+
+    def node_names(self) -> list[tuple[str, str]]:
+        """(rack, node name) of every simulated node, in order."""
+        racks, per_rack = range(1, self.racks + 1), range(1, self.nodes_per_rack + 1)
+        return [(f"r{r}", f"r{r}-n{n}") for r in racks for n in per_rack]
+
+
+@dataclass
+class EmbeddedCluster:
+    config: EmbeddedClusterConfig
+    address: str
+    _cluster: Any = field(repr=False)
+    _nodes: dict[str, Any] = field(default_factory=dict, repr=False)  # node name -> ray Node
+
+    def node_ids(self) -> dict[str, str]:
+        """Node name -> Ray node id of the live simulated nodes."""
+        import ray
+
+        out = {}
+        for n in ray.nodes():
+            name = (n.get("Labels") or {}).get("node_name")
+            if n.get("Alive") and name:
+                out[name] = str(n["NodeID"])
+        return out
+
+    def remove_node(self, name: str) -> None:
+        """Take a simulated node out of the cluster (issue 6's kill_node)."""
+        node = self._nodes.pop(name, None)
+        if node is None:
+            raise ClusterError(f"no simulated node named {name!r}; have {', '.join(sorted(self._nodes))}")
+        self._cluster.remove_node(node, allow_graceful=False)
+
+    def add_node(self, name: str, rack: str, gpus: int | None = None, wait: bool = True) -> None:
+        """Add (or bring back) a simulated node with the given labels."""
+        if name in self._nodes:
+            raise ClusterError(f"node {name!r} is already in the cluster")
+        self._nodes[name] = self._cluster.add_node(wait=wait, **_node_args(self.config, rack, name, gpus))
+
+    def shutdown(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        self._cluster.shutdown()
+        self._nodes.clear()
+
+
+def _node_args(cfg: EmbeddedClusterConfig, rack: str, name: str, gpus: int | None = None) -> dict[str, Any]:
+    return {
+        "num_cpus": cfg.cpus_per_node,
+        "num_gpus": cfg.gpus_per_node if gpus is None else gpus,
+        "object_store_memory": cfg.object_store_mb * MiB,
+        "labels": {"rack": rack, "node_name": name},
+    }
+
+
+def start_embedded_cluster(
+    racks: int = 2,
+    nodes_per_rack: int = 2,
+    gpus_per_node: int = 4,
+    temp_dir: str = ".lattice/ray",
+    *,
+    cpus_per_node: int = 1,
+    head_cpus: int = 1,
+    object_store_mb: int = 100,
+    metrics_export_port: int | None = None,
+    namespace: str = NAMESPACE,
+    connect_driver: bool = True,
+    timeout_s: float = 120.0,
+) -> EmbeddedCluster:
+    """Start the head and the simulated nodes (in parallel), wait for all of them, and (by
+    default) connect this process as the driver in `namespace`."""
+    from ray._common.utils import get_default_ray_temp_dir
+    from ray.cluster_utils import Cluster
+
+    cfg = EmbeddedClusterConfig(
+        racks=racks, nodes_per_rack=nodes_per_rack, gpus_per_node=gpus_per_node, cpus_per_node=cpus_per_node,
+        head_cpus=head_cpus, object_store_mb=object_store_mb, temp_dir=temp_dir,
+        metrics_export_port=metrics_export_port, namespace=namespace,
+    )
+    root = os.path.abspath(temp_dir)  # Ray wants an absolute path
+    os.makedirs(root, exist_ok=True)
+    # cluster_utils records the address in Ray's default temp dir; it must exist.
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
+    t0 = time.monotonic()
+    head_args: dict[str, Any] = {
+        "num_cpus": head_cpus,
+        "num_gpus": 0,
+        "object_store_memory": object_store_mb * MiB,
+        "include_dashboard": False,
+        "temp_dir": root,
+        "labels": {"lattice.role": "head"},
+    }
+    if metrics_export_port is not None:
+        head_args["metrics_export_port"] = metrics_export_port
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args=head_args)
+        nodes = {}
+        for rack, name in cfg.node_names():
+            nodes[name] = cluster.add_node(wait=False, **_node_args(cfg, rack, name))
+        cluster.wait_for_nodes(timeout=timeout_s)
+    except Exception as e:
+        raise ClusterError(f"could not start the embedded Ray cluster under {root}: {e}") from e
+    log.info(
+        "embedded Ray cluster at %s: %d racks x %d nodes x %d GPUs in %.1fs",
+        cluster.address, racks, nodes_per_rack, gpus_per_node, time.monotonic() - t0,
+    )
+    embedded = EmbeddedCluster(config=cfg, address=cluster.address, _cluster=cluster, _nodes=nodes)
+    if connect_driver:
+        connect(cluster.address, namespace=namespace)
+    return embedded
+
+
+def connect(address: str, namespace: str = NAMESPACE) -> None:
+    """Join an existing cluster as a driver (no-op if already connected)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address, namespace=namespace, log_to_driver=False)
+    except Exception as e:
+        raise ClusterError(f"could not connect to the Ray cluster at {address!r}: {e}") from e

@@ -1,0 +1,187 @@
+"""One controller per job: the detached, named Ray actor around the state machine.
+
+`start_controller(job_id, run_cfg, ...)` creates `lattice-job-<id>` in namespace "lattice"
+(lifetime detached, so it outlives the service process). Its loop thread steps the
+`ControllerStateMachine` (workers.state_machine); `poll`, `cancel`, `update_nodes` and
+`inject_fault` are served concurrently (max_concurrency). After a service restart the service
+finds it again with `get_controller(job_id)`. Rank actors and the placement group are owned by
+the controller, so they end with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from training.config import RunConfig
+from workers.policies import FailurePolicy, ScalingPolicy
+from workers.state_machine import (
+    JOB_STATE,
+    ControllerOptions,
+    ControllerState,
+    ControllerStateMachine,
+    Transition,
+)
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "lattice"
+
+__all__ = [
+    "JOB_STATE", "NAMESPACE", "ControllerExists", "ControllerOptions", "ControllerState",
+    "ControllerStateMachine", "JobController", "Transition", "controller_name", "get_controller",
+    "kill_controller", "start_controller",
+]
+
+
+# ---- the detached Ray actor ------------------------------------------------------------------------
+
+
+def controller_name(job_id: str) -> str:
+    return f"lattice-job-{job_id}"
+
+
+class JobController:
+    """The state machine's loop in a thread of a detached actor; other methods run concurrently."""
+
+    def __init__(
+        self,
+        job_id: str,
+        run_cfg: RunConfig,
+        options: ControllerOptions | None = None,
+        failure_policy: FailurePolicy | None = None,
+        scaling_policy: ScalingPolicy | None = None,
+        health: Mapping[str, str] | None = None,
+        cordoned: Collection[str] = (),
+    ) -> None:
+        from workers.worker_group import RayWorkerGroup
+
+        opts = options or ControllerOptions()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        group = RayWorkerGroup(
+            job_id,
+            cpus_per_rank=opts.cpus_per_rank,
+            reserve_timeout_s=opts.reserve_timeout_s,
+            start_timeout_s=opts.start_timeout_s,
+            poll_timeout_s=opts.rank_poll_timeout_s,
+            rendezvous_timeout_s=opts.startup_timeout_s,
+            train_fn=opts.train_fn,
+            flops_per_token=opts.flops_per_token,
+            env_vars=opts.env_vars,
+            should_stop=lambda: self._sm.cancel_requested,
+        )
+        self._sm = ControllerStateMachine(
+            job_id, run_cfg, group, options=opts, failure_policy=failure_policy,
+            scaling_policy=scaling_policy, health=health, cordoned=cordoned,
+        )
+        self._thread = threading.Thread(target=self._loop, name=f"lattice-controller-{job_id}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        sm = self._sm
+        while not sm.state.terminal:
+            transition = sm.step()
+            if transition is None and not sm.state.terminal:
+                self._wake.wait(sm.options.poll_interval_s)
+                self._wake.clear()
+        linger = sm.options.linger_s
+        if linger is not None and not self._closed.wait(linger):
+            log.info("job %s: terminal for %.0fs with no one collecting; exiting", sm.job_id, linger)
+            import ray
+
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    def poll(self, since_seq: int = 0) -> dict[str, Any]:
+        return self._sm.snapshot(since_seq)
+
+    def state(self) -> str:
+        return str(self._sm.state)
+
+    def cancel(self, reason: str = "cancelled by user", wait_s: float = 60.0) -> str:
+        """Tear down the ranks and the placement group; returns the state reached."""
+        self._sm.request_cancel(reason)
+        self._wake.set()
+        deadline = time.monotonic() + wait_s
+        while not self._sm.state.terminal and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return str(self._sm.state)
+
+    def update_nodes(self, health: Mapping[str, str], cordoned: Collection[str]) -> None:
+        self._sm.update_nodes(health, cordoned)
+
+    def inject_fault(self, kind: str, rank: int, at_step: int, **params: Any) -> None:
+        self._sm.wg.inject_fault(kind, rank, at_step, **params)
+
+    def close(self) -> None:
+        """The service has collected the final state; let the actor go."""
+        self._closed.set()
+
+
+def _head_node_id() -> str | None:
+    import ray
+
+    from workers.topology import HEAD_RESOURCE
+
+    for n in ray.nodes():
+        if n.get("Alive") and HEAD_RESOURCE in (n.get("Resources") or {}):
+            return str(n["NodeID"])
+    return None
+
+
+def start_controller(
+    job_id: str,
+    run_cfg: RunConfig,
+    *,
+    options: ControllerOptions | None = None,
+    failure_policy: FailurePolicy | None = None,
+    scaling_policy: ScalingPolicy | None = None,
+    health: Mapping[str, str] | None = None,
+    cordoned: Collection[str] = (),
+) -> Any:
+    """Create the job's detached controller (on the head node when it can) and return its handle.
+    Raises ControllerExists if one is already registered under the job's name."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    name = controller_name(job_id)
+    if get_controller(job_id) is not None:
+        raise ControllerExists(f"a controller named {name!r} already exists; attach with get_controller()")
+    head = _head_node_id()
+    strategy = NodeAffinitySchedulingStrategy(head, soft=True) if head else "DEFAULT"
+    return (
+        ray.remote(JobController)
+        .options(
+            name=name, namespace=NAMESPACE, lifetime="detached", max_concurrency=16,
+            num_cpus=0, scheduling_strategy=strategy,
+        )
+        .remote(job_id, run_cfg, options, failure_policy, scaling_policy, health, cordoned)
+    )
+
+
+class ControllerExists(RuntimeError):
+    pass
+
+
+def get_controller(job_id: str) -> Any | None:
+    """The job's controller handle if it is alive (e.g. after the service restarted), else None."""
+    import ray
+
+    try:
+        return ray.get_actor(controller_name(job_id), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def kill_controller(job_id: str) -> bool:
+    """End the controller actor (its rank actors and placement group go with it)."""
+    import ray
+
+    handle = get_controller(job_id)
+    if handle is None:
+        return False
+    ray.kill(handle, no_restart=True)
+    return True

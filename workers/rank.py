@@ -1,0 +1,289 @@
+"""One training rank as a Ray actor (one per GPU, `num_gpus=1`, inside its placement bundle).
+
+The actor says where it really runs (`where()`: node id, rack and node-name labels, the GPU id
+Ray gave it), offers the rendezvous address when it is rank 0, then runs
+`training.train.train(ctx, run_cfg, hooks, resume=...)` in a background thread so that the
+controller can `poll()` it while it trains. Hooks (`make_hooks`) push events (steps, checkpoints, integrity
+errors, the result) into an in-actor buffer; `poll()` drains it and reports a heartbeat: seconds since the
+training thread last made progress, measured on the actor's own monotonic clock.
+
+Fault injection for issue 6 (`schedule_fault`): kill_rank, hang_rank and slow_rank act from
+the step hook; bit flips go through the engine's injector (`RankActor.injector`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import math
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRAIN_FN = "training.train:train"
+MAX_BUFFERED_EVENTS = 10_000
+RANK_FAULT_KINDS = ("kill_rank", "hang_rank", "slow_rank")
+ACTIONS = ("checkpoint", "stop", "checkpoint_and_stop")
+
+
+def import_callable(path: str) -> Callable[..., Any]:
+    """'package.module:function' -> the function."""
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"train_fn must look like 'package.module:function', got {path!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def _plain(value: Any) -> Any:
+    """Dataclasses / objects from the engine -> JSON-friendly dicts and lists."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if hasattr(value, "item"):  # a 0-d tensor
+        try:
+            return _plain(value.item())
+        except Exception:  # noqa: BLE001
+            pass
+    if hasattr(value, "__dict__"):
+        return {k: _plain(v) for k, v in vars(value).items() if not k.startswith("_")}
+    return str(value)
+
+
+def make_hooks(actor: RankActor) -> Any:
+    """A `training.train.TrainHooks` that reports into `actor`'s buffer (imported lazily so that
+    an actor which only reports where it runs never imports torch)."""
+    from training.train import Action, TrainHooks
+
+    class RankHooks(TrainHooks):
+        def on_step(self, info: Any) -> Any:
+            actor._record("step", _plain(info))
+            actor._after_step(info.step)
+            wanted = actor._take_action()
+            return Action(wanted) if wanted else None
+
+        def on_checkpoint(self, step: int, path: str, nbytes: int, seconds: float) -> None:
+            actor._record("checkpoint", {"step": step, "path": path, "bytes": nbytes, "seconds": seconds})
+
+        def on_integrity_error(self, error: Any) -> Any:
+            actor._record(
+                "integrity_error",
+                {"error_kind": error.kind, "step": error.step, "ranks": list(error.ranks),
+                 "evidence": _plain(error.evidence), "message": str(error)},
+            )
+            raise error
+
+    hooks = RankHooks()
+    hooks.injector = actor.injector
+    return hooks
+
+
+class RankActor:
+    """Wrapped with `ray.remote` by the worker group (resources come from its bundle)."""
+
+    def __init__(self, job_id: str, rank: int, world_size: int, coord: dict[str, int] | None = None) -> None:
+        self.job_id = job_id
+        self.rank = rank
+        self.world_size = world_size
+        self.coord = dict(coord or {})
+        self._lock = threading.Lock()
+        self._events: list[dict[str, Any]] = []
+        self._dropped = 0
+        self._state = "idle"
+        self._result: dict[str, Any] | None = None
+        self._error: str | None = None
+        self._last_progress = time.monotonic()
+        self._stepped = False
+        self._step: int | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._faults: list[dict[str, Any]] = []
+        self._slow_s = 0.0
+        self._action: str | None = None
+        # Issue 6: a training.integrity.BitFlipInjector for this rank, handed to the engine.
+        self.injector: Any = None
+
+    # ---- where am I -------------------------------------------------------------------------
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        labels = ctx.get_node_labels() or {}
+        gpu_ids = ray.get_gpu_ids()
+        node_id = ctx.get_node_id()
+        return {
+            "rank": self.rank,
+            "node_id": node_id,
+            "node_name": str(labels.get("node_name") or f"{socket.gethostname()}-{node_id[:8]}"),
+            "rack": str(labels.get("rack") or "default"),
+            "gpu": int(gpu_ids[0]) if gpu_ids else -1,
+            "ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0's address and a free port on it, for every rank's init_process_group."""
+        import ray
+
+        from training.dist import free_port
+
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port(ip)
+
+    def ping(self) -> bool:
+        return True
+
+    # ---- training -----------------------------------------------------------------------------
+    def start(
+        self,
+        master_addr: str,
+        master_port: int,
+        run_cfg: Any,
+        *,
+        resume: bool = True,
+        train_fn: str = DEFAULT_TRAIN_FN,
+        flops_per_token: float | None = None,
+        rendezvous_timeout_s: float = 120.0,
+    ) -> None:
+        if self._thread is not None:
+            raise RuntimeError(f"rank {self.rank} was already started")
+        self._state = "running"
+        self._last_progress = time.monotonic()
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(master_addr, master_port, run_cfg, resume, train_fn, flops_per_token, rendezvous_timeout_s),
+            name=f"lattice-rank-{self.rank}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _run(
+        self,
+        master_addr: str,
+        master_port: int,
+        run_cfg: Any,
+        resume: bool,
+        train_fn: str,
+        flops_per_token: float | None,
+        rendezvous_timeout_s: float,
+    ) -> None:
+        os.environ.update(
+            {
+                "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0",
+                "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+            }
+        )
+        try:
+            import torch
+
+            from training.dist import init_distributed, shutdown
+
+            if not torch.cuda.is_available():
+                torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+            fn = import_callable(train_fn)
+            ctx = init_distributed(
+                self.rank, self.world_size, master_addr, master_port, timeout_s=rendezvous_timeout_s
+            )
+            self._record("started", {"backend": ctx.backend, "device": str(ctx.device)})
+            try:
+                result = fn(ctx, run_cfg, make_hooks(self), resume=resume, flops_per_token=flops_per_token)
+            finally:
+                shutdown()
+            plain = _plain(result)
+            with self._lock:
+                self._result = plain if isinstance(plain, dict) else {"value": plain}
+                self._state = "finished"
+            self._record("finished", {"final_step": self._result.get("final_step")})
+        except BaseException as e:  # noqa: BLE001 - a rank's failure is reported, not raised
+            tb = traceback.format_exc()
+            log.warning("rank %d failed: %s", self.rank, e)
+            with self._lock:
+                self._error = f"{type(e).__name__}: {e}"
+                self._state = "failed"
+            self._record("failed", {"error": self._error, "traceback": tb[-4000:]})
+
+    def _record(self, kind: str, data: dict[str, Any]) -> None:
+        event = {"kind": kind, "rank": self.rank, "t": time.time(), **data}
+        with self._lock:
+            self._last_progress = time.monotonic()
+            if kind == "step":
+                self._stepped = True
+                step = data.get("step")
+                if isinstance(step, int):
+                    self._step = step
+            self._events.append(event)
+            if len(self._events) > MAX_BUFFERED_EVENTS:
+                self._events.pop(0)
+                self._dropped += 1
+
+    def _after_step(self, step: Any) -> None:
+        """Run the faults due at this step (issue 6 injection)."""
+        if self._slow_s > 0:
+            time.sleep(self._slow_s)
+        if not isinstance(step, int):
+            return
+        due = [f for f in self._faults if f["at_step"] <= step]
+        for fault in due:
+            self._faults.remove(fault)
+            self._record("fault_injected", {"fault": fault["kind"], "step": step})
+            if fault["kind"] == "kill_rank":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault["kind"] == "hang_rank":
+                while not self._stop.is_set():
+                    time.sleep(0.05)
+            elif fault["kind"] == "slow_rank":
+                self._slow_s = float(fault.get("seconds", 1.0))
+
+    def request_action(self, action: str) -> None:
+        """Ask the engine, at the next step boundary, to 'checkpoint', 'stop' or
+        'checkpoint_and_stop' (the engine ORs the request over all ranks)."""
+        if action not in ACTIONS:
+            raise ValueError(f"action must be one of {', '.join(ACTIONS)}, got {action!r}")
+        with self._lock:
+            self._action = action
+
+    def _take_action(self) -> str | None:
+        with self._lock:
+            action, self._action = self._action, None
+        return action
+
+    def schedule_fault(self, kind: str, at_step: int, **params: Any) -> None:
+        if kind not in RANK_FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {', '.join(RANK_FAULT_KINDS)}, got {kind!r}")
+        self._faults.append({"kind": kind, "at_step": int(at_step), **params})
+
+    # ---- what the controller reads ------------------------------------------------------------
+    def poll(self) -> dict[str, Any]:
+        with self._lock:
+            events, self._events = self._events, []
+            dropped, self._dropped = self._dropped, 0
+            return {
+                "rank": self.rank,
+                "state": self._state,
+                "events": events,
+                "dropped": dropped,
+                "since_progress_s": time.monotonic() - self._last_progress,
+                "stepped": self._stepped,
+                "step": self._step,
+                "result": self._result,
+                "error": self._error,
+            }
+
+    def stop(self) -> None:
+        """Release a hung hook; the process itself is ended by the worker group (ray.kill)."""
+        self._stop.set()

@@ -1,0 +1,247 @@
+"""The ranks of one job as a group: the interface the controller drives, and its Ray version.
+
+`WorkerGroup` is what the controller's state machine talks to (after Ray Train v2): read the
+topology, gang-reserve a placement, start the ranks, poll them, shut them down. Tests drive the
+state machine against a dummy implementation one transition at a time; `RayWorkerGroup` is the
+real one: one placement group per job, one `RankActor` per bundle.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from training.config import RunConfig
+from workers.placement import Placement, PlacementError, RankPlacement, release, reserve
+from workers.rank import DEFAULT_TRAIN_FN, RankActor
+from workers.topology import Topology
+
+log = logging.getLogger(__name__)
+
+# idle/running/finished/failed come from the actor; dead/unresponsive from the group's view of it.
+RANK_STATES = ("idle", "running", "finished", "failed", "dead", "unresponsive")
+
+
+class WorkerGroupError(RuntimeError):
+    pass
+
+
+class WorkerGroupStartupError(WorkerGroupError):
+    """Rank actors could not be created, did not report in, or the rendezvous failed."""
+
+
+@dataclass
+class RankStatus:
+    rank: int
+    state: str
+    events: list[dict[str, Any]] = field(default_factory=list)
+    since_progress_s: float = 0.0  # seconds since the rank's training thread last made progress
+    stepped: bool = False  # has completed at least one step in this attempt
+    step: int | None = None
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    dropped: int = 0
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RankStatus:
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class GroupStatus:
+    ranks: dict[int, RankStatus]
+
+    def in_state(self, *states: str) -> list[int]:
+        return sorted(r for r, s in self.ranks.items() if s.state in states)
+
+    @property
+    def all_finished(self) -> bool:
+        return bool(self.ranks) and all(s.state == "finished" for s in self.ranks.values())
+
+
+class WorkerGroup(ABC):
+    """What the controller needs from 'the ranks of this job'."""
+
+    @abstractmethod
+    def topology(self, health: Mapping[str, str], cordoned: Collection[str]) -> Topology:
+        """The cluster now, with the given health ledger merged in."""
+
+    @abstractmethod
+    def reserve(self, placement: Placement) -> None:
+        """Gang-reserve every rank's GPU; raises PlacementError (ReservationTimeout) if not granted."""
+
+    @abstractmethod
+    def start(self, run_cfg: RunConfig, *, resume: bool) -> list[RankPlacement]:
+        """Create the ranks in the reservation, rendezvous, launch training. Returns where each
+        rank really runs. Raises WorkerGroupStartupError."""
+
+    @abstractmethod
+    def poll(self) -> GroupStatus:
+        """Events since the last poll and a heartbeat from every rank."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """End the ranks and release the reservation; idempotent."""
+
+    def inject_fault(self, kind: str, rank: int, at_step: int, **params: Any) -> None:  # noqa: B027
+        """Issue 6: schedule a rank-level fault. Optional for implementations."""
+        raise NotImplementedError(f"{type(self).__name__} does not inject faults")
+
+
+RemoteRankActor = ray.remote(RankActor)
+
+
+class RayWorkerGroup(WorkerGroup):
+    def __init__(
+        self,
+        job_id: str,
+        *,
+        cpus_per_rank: float = 0.1,
+        reserve_timeout_s: float = 30.0,
+        start_timeout_s: float = 120.0,
+        poll_timeout_s: float = 10.0,
+        rendezvous_timeout_s: float = 120.0,
+        train_fn: str = DEFAULT_TRAIN_FN,
+        flops_per_token: float | None = None,
+        env_vars: Mapping[str, str] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.cpus_per_rank = cpus_per_rank
+        self.reserve_timeout_s = reserve_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.poll_timeout_s = poll_timeout_s
+        self.rendezvous_timeout_s = rendezvous_timeout_s
+        self.train_fn = train_fn
+        self.flops_per_token = flops_per_token
+        self.env_vars = {"OMP_NUM_THREADS": "1", **(env_vars or {})}
+        self._should_stop = should_stop or (lambda: False)
+        self._pg: Any = None
+        self._placement: Placement | None = None
+        self._actors: list[Any] = []
+        self._attempt = 0
+
+    # ---- topology / reservation ------------------------------------------------------------------
+    def topology(self, health: Mapping[str, str], cordoned: Collection[str]) -> Topology:
+        return Topology.from_ray(health, cordoned)
+
+    def reserve(self, placement: Placement) -> None:
+        if self._pg is not None:
+            self.shutdown()
+        self._attempt += 1
+        self._pg = reserve(
+            placement,
+            name=f"lattice-job-{self.job_id}-a{self._attempt}",
+            cpus_per_rank=self.cpus_per_rank,
+            timeout_s=self.reserve_timeout_s,
+            should_stop=self._should_stop,
+        )
+        self._placement = placement
+
+    # ---- ranks -------------------------------------------------------------------------------------
+    def spawn(self) -> list[RankPlacement]:
+        """Create one rank actor per bundle and read back where each one landed."""
+        if self._pg is None or self._placement is None:
+            raise WorkerGroupStartupError("start() before reserve(): no placement group")
+        placement = self._placement
+        world = placement.world_size
+        try:
+            self._actors = [
+                RemoteRankActor.options(
+                    num_gpus=1,
+                    num_cpus=self.cpus_per_rank,
+                    max_concurrency=4,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self._pg, placement_group_bundle_index=r.rank
+                    ),
+                    runtime_env={"env_vars": dict(self.env_vars)},
+                ).remote(self.job_id, r.rank, world, {"pp": r.pp, "dp": r.dp, "cp": r.cp, "tp": r.tp})
+                for r in placement.ranks
+            ]
+            where = ray.get([a.where.remote() for a in self._actors], timeout=self.start_timeout_s)
+        except (RayActorError, GetTimeoutError, ActorUnavailableError) as e:
+            raise WorkerGroupStartupError(f"rank actors did not start: {e}") from e
+        actual = []
+        for intended, w in zip(placement.ranks, where, strict=True):
+            actual.append(
+                RankPlacement(
+                    rank=intended.rank, pp=intended.pp, dp=intended.dp, cp=intended.cp, tp=intended.tp,
+                    node_id=w["node_id"], node_name=w["node_name"], rack=w["rack"], gpu=w["gpu"],
+                )
+            )
+            if w["node_id"] != intended.node_id:
+                log.warning("rank %d landed on %s, not %s", intended.rank, w["node_name"], intended.node_name)
+        return actual
+
+    def launch(self, run_cfg: RunConfig, *, resume: bool) -> None:
+        """Rendezvous on rank 0's address and start training on every rank."""
+        if not self._actors:
+            raise WorkerGroupStartupError("launch() before spawn()")
+        try:
+            addr, port = ray.get(self._actors[0].rendezvous.remote(), timeout=self.start_timeout_s)
+            ray.get(
+                [
+                    a.start.remote(
+                        addr, port, run_cfg, resume=resume, train_fn=self.train_fn,
+                        flops_per_token=self.flops_per_token, rendezvous_timeout_s=self.rendezvous_timeout_s,
+                    )
+                    for a in self._actors
+                ],
+                timeout=self.start_timeout_s,
+            )
+        except (RayActorError, GetTimeoutError, ActorUnavailableError) as e:
+            raise WorkerGroupStartupError(f"rendezvous/launch failed: {e}") from e
+
+    def start(self, run_cfg: RunConfig, *, resume: bool) -> list[RankPlacement]:
+        actual = self.spawn()
+        self.launch(run_cfg, resume=resume)
+        return actual
+
+    def poll(self) -> GroupStatus:
+        refs = [a.poll.remote() for a in self._actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.poll_timeout_s)
+        ready_set = set(ready)
+        out: dict[int, RankStatus] = {}
+        for rank, ref in enumerate(refs):
+            if ref not in ready_set:
+                out[rank] = RankStatus(rank=rank, state="unresponsive", error="poll timed out")
+                continue
+            try:
+                out[rank] = RankStatus.from_dict(ray.get(ref))
+            except ActorUnavailableError as e:
+                out[rank] = RankStatus(rank=rank, state="unresponsive", error=str(e)[:500])
+            except (ActorDiedError, RayActorError) as e:
+                out[rank] = RankStatus(rank=rank, state="dead", error=str(e)[:500])
+        return GroupStatus(out)
+
+    def actors(self) -> list[Any]:
+        return list(self._actors)
+
+    def inject_fault(self, kind: str, rank: int, at_step: int, **params: Any) -> None:
+        ref = self._actors[rank].schedule_fault.remote(kind, at_step, **params)
+        ray.get(ref, timeout=self.poll_timeout_s)
+
+    def shutdown(self) -> None:
+        for a in self._actors:
+            try:
+                a.stop.remote()
+                ray.kill(a, no_restart=True)
+            except Exception as e:  # noqa: BLE001 - already dead
+                log.debug("kill rank actor: %s", e)
+        self._actors = []
+        release(self._pg)
+        self._pg = None
+        self._placement = None
+
+
+__all__ = [
+    "GroupStatus", "PlacementError", "RankStatus", "RayWorkerGroup", "WorkerGroup",
+    "WorkerGroupError", "WorkerGroupStartupError",
+]
