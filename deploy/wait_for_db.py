@@ -54,10 +54,17 @@ def _connect_args(url: str) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default=os.environ.get("LATTICE_DATABASE_URL", ""),
-                        help="SQLAlchemy URL (default: $LATTICE_DATABASE_URL)")
-    parser.add_argument("--timeout", type=float, default=float(os.environ.get("LATTICE_DB_WAIT_SECONDS", "60")),
-                        help="give up after this many seconds (default: $LATTICE_DB_WAIT_SECONDS or 60)")
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("LATTICE_DATABASE_URL", ""),
+        help="SQLAlchemy URL (default: $LATTICE_DATABASE_URL)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=float(os.environ.get("LATTICE_DB_WAIT_SECONDS", "60")),
+        help="give up after this many seconds (default: $LATTICE_DB_WAIT_SECONDS or 60)",
+    )
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between attempts (default 1)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -294,7 +294,8 @@ class JobSpec(_Strict):
         try:
             return get_preset(self.model.preset)
         except (PlannerError, KeyError, ValueError) as e:
-            raise ValueError(f"model.preset: {_message(e)}") from e
+            message = _message(e)
+            raise ValueError(message if message.startswith("model.preset") else f"model.preset: {message}") from e
 
     def explicit_layout(self) -> Layout | None:
         return self.parallelism.to_layout() if isinstance(self.parallelism, LayoutSpec) else None

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from training.checkpoint_state import (
     OptimizerArg,
@@ -395,7 +396,7 @@ def save_checkpoint(
             return CheckpointInfo(step, str(tmp), 0, "", time.perf_counter() - started, committed=False)
         with _dcp_call():
             dcp.save(state, checkpoint_id=str(tmp), process_group=process_group, no_dist=not _distributed())
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         raise CheckpointError(f"writing checkpoint step {step} to {tmp} failed: {e}") from e
     return _commit(step, tmp, final, base, keep, process_group, started)
 
@@ -408,7 +409,7 @@ def wait_pending() -> CheckpointInfo | None:
         return None
     try:
         pending.future.result()
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         raise CheckpointError(f"async checkpoint of step {pending.step} to {pending.tmp} failed: {e}") from e
     return _commit(pending.step, pending.tmp, pending.final, pending.root, pending.keep,
                    pending.process_group, pending.started)
@@ -516,7 +517,7 @@ def load_checkpoint(
     try:
         with _dcp_call():
             dcp.load(state, checkpoint_id=str(ckpt), process_group=process_group, no_dist=not _distributed())
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         raise CheckpointError(f"loading {ckpt} failed (does it hold this model and optimizer?): {e}") from e
     load_model_state(model_parts, state["model"])
     if pairs:

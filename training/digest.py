@@ -31,7 +31,8 @@ def _unwrap(module: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def full_state(model_parts: list[nn.Module], layout: Layout, mesh: DeviceMesh | None) -> dict[str, torch.Tensor]:
+def full_state(model_parts: list[nn.Module], layout: Layout,
+               mesh: DeviceMesh | None) -> dict[str, torch.Tensor]:
     """Every parameter of the whole model as a float32 CPU tensor, on every rank (collective)."""
     local: dict[str, torch.Tensor] = {}
     for part in model_parts:

@@ -306,7 +306,9 @@ class BitFlipInjector:
         clean = _strip_wrappers(name)
         return next((p for n, p in named_params.items() if _strip_wrappers(n) == clean), None)
 
-    def _apply(self, step: int, target: str, named_params: Iterable[tuple[str, nn.Parameter]]) -> list[BitFlip]:
+    def _apply(
+        self, step: int, target: str, named_params: Iterable[tuple[str, nn.Parameter]]
+    ) -> list[BitFlip]:
         due = self._due(step, target)
         if not due:
             return []
@@ -334,7 +336,7 @@ class BitFlipInjector:
 
     def arm_grad_flips(self, step: int, named_params: Iterable[tuple[str, nn.Parameter]]) -> list[BitFlip]:
         """Register one-shot gradient hooks for this step's grad flips (see the class docstring)."""
-        for f, handle in self._armed:  # hooks from earlier steps have fired (or are stale): drop them
+        for _, handle in self._armed:  # hooks from earlier steps have fired (or are stale): drop them
             handle.remove()
         self._armed = []
         due = self._due(step, "grad")

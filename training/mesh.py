@@ -39,9 +39,9 @@ class ParallelDims:
     @classmethod
     def build(cls, layout: Layout, device_type: str) -> ParallelDims:
         if layout.cp > 1:
-            raise LayoutError("layout.cp > 1 (context parallel) is not supported by the training engine; use cp=1")
+            raise LayoutError("layout.cp > 1 (context parallel) is not supported by the train loop; use cp=1")
         if layout.ep > 1:
-            raise LayoutError("layout.ep > 1 (expert parallel) is not supported by the training engine; use ep=1")
+            raise LayoutError("layout.ep > 1 (expert parallel) is not supported by the train loop; use ep=1")
         return cls(layout=layout, mesh=build_mesh(layout, device_type))
 
     def submesh(self, name: str) -> DeviceMesh:

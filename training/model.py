@@ -208,7 +208,8 @@ def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
     if isinstance(param, DTensor):
         # src_data_rank=None: every rank already has the full value, so it just keeps its slice.
-        shard = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+        shard = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
+                                  src_data_rank=None)
         param.to_local().copy_(shard.to_local())
     else:
         param.copy_(full.to(dtype=param.dtype, device=param.device))
@@ -253,6 +254,6 @@ def count_params(spec: ModelSpec) -> tuple[int, int]:
 
 
 def flops_per_token(spec: ModelSpec) -> float:
-    """Training FLOPs per token: 6N (non-embedding) + 12 L h s attention (PaLM, Chowdhery et al. 2022, App. B)."""
+    """Training FLOPs per token: 6N (non-embedding) + 12 L h s (PaLM, Chowdhery et al. 2022, App. B)."""
     total, embed = count_params(spec)
     return 6.0 * (total - embed) + 12.0 * spec.layers * spec.hidden * spec.seq_len

@@ -6,7 +6,9 @@
 Pipeline parallelism wraps this (training.pipeline calls `parallelize` once per stage).
 Weights are materialised after FSDP has sharded them (so no rank ever holds a full copy of a
 model built on the meta device) and before DDP, which broadcasts rank 0's weights at
-construction and so needs them to exist.
+construction and so needs them to exist. Without FSDP, TP parameters then get a gradient hook
+that puts each gradient in its parameter's layout (`align_grad_placements`), because DDP and
+ZeRO-1 reduce local shards.
 
 Recomputation modes (Layout.recompute):
   none       keep every activation.
@@ -61,7 +63,7 @@ log = logging.getLogger(__name__)
 def check_layout_for_model(spec: ModelSpec, layout: Layout) -> None:
     """Raise LayoutError when this layout cannot split this model."""
     if spec.is_moe:
-        raise LayoutError("model.num_experts > 0 (MoE) is not supported by the training engine; use a dense model")
+        raise LayoutError("model.num_experts > 0 (MoE) is not supported by the train loop; use a dense model")
     tp = layout.tp
     if tp > 1:
         for field, value in (("model.heads", spec.heads), ("model.kv_heads", spec.n_kv_heads),
@@ -69,12 +71,12 @@ def check_layout_for_model(spec: ModelSpec, layout: Layout) -> None:
             if value % tp:
                 raise LayoutError(f"layout.tp ({tp}) must divide {field} ({value})")
     if layout.sequence_parallel and spec.seq_len % tp:
-        raise LayoutError(f"layout.tp ({tp}) must divide model.seq_len ({spec.seq_len}) for sequence_parallel")
+        raise LayoutError(f"layout.tp ({tp}) must divide model.seq_len ({spec.seq_len}) (sequence_parallel)")
     if layout.pp > 1 and spec.tied_embeddings:
-        raise LayoutError("model.tied_embeddings needs pp = 1 (the embedding and the head live on different stages)")
+        raise LayoutError("model.tied_embeddings needs pp = 1 (embedding and head are on different stages)")
     if layout.pp > 1 and spec.layers < layout.num_stages:
         raise LayoutError(
-            f"model.layers ({spec.layers}) must be >= pp x virtual_stages ({layout.num_stages}) pipeline stages"
+            f"model.layers ({spec.layers}) must be >= pp x virtual_stages ({layout.num_stages})"
         )
 
 
@@ -154,7 +156,8 @@ def apply_recompute(model: Transformer, mode: str) -> None:
 
 
 # ---- FSDP (ZeRO-2 / ZeRO-3) ---------------------------------------------------------------
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, reshard_after_forward: bool, device_type: str) -> None:
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, reshard_after_forward: bool,
+               device_type: str) -> None:
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if device_type == "cuda" else MixedPrecisionPolicy())
     blocks = list(model.layers.values())
@@ -181,11 +184,13 @@ def materialize(model: Transformer, seed: int, device: torch.device) -> None:
 
 
 # ---- data parallel ---------------------------------------------------------------------------
-def apply_data_parallel(model: nn.Module, layout: Layout, dp_group: dist.ProcessGroup, dp_impl: str) -> nn.Module:
+def apply_data_parallel(model: nn.Module, layout: Layout, dp_group: dist.ProcessGroup,
+                        dp_impl: str) -> nn.Module:
     if dp_impl == "torch":
         if layout.tp > 1 or layout.pp > 1:
             raise LayoutError(
-                "train.dp_impl 'torch' (torch DDP) needs tp = 1 and pp = 1; use dp_impl 'lattice' or zero_stage 2/3"
+                "train.dp_impl 'torch' (torch DDP) needs tp = 1 and pp = 1; "
+                "use dp_impl 'lattice' or zero_stage 2/3"
             )
         return torch.nn.parallel.DistributedDataParallel(model, process_group=dp_group)
     from training.parallel.ddp import DDP
@@ -271,7 +276,8 @@ def build_optimizer(model_parts: list[nn.Module], layout: Layout, run_cfg: RunCo
 
 
 @torch.no_grad()
-def clip_grad_norm(model_parts: list[nn.Module], max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
+def clip_grad_norm(model_parts: list[nn.Module], max_norm: float,
+                   pp_group: dist.ProcessGroup | None) -> float:
     """Clip by the global L2 norm over all stages (DTensor grads reduce over their own meshes)."""
     grads = [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
     sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")

@@ -51,7 +51,7 @@ V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
 def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
     """Consecutive layer ids per stage, sizes differing by at most one, extras to the middle."""
     if num_layers < num_stages:
-        raise LayoutError(f"model.layers ({num_layers}) must be >= the number of pipeline stages ({num_stages})")
+        raise LayoutError(f"model.layers ({num_layers}) must be >= the pipeline stages ({num_stages})")
     base, extra = divmod(num_layers, num_stages)
     centre = (num_stages - 1) / 2
     # Middle stages first (by distance from the centre), the two ends last.
@@ -83,7 +83,7 @@ class Pipeline:
     has_last: bool
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """One forward + backward over the micro-batches; returns this rank's mean loss if it has the last stage."""
+        """Forward + backward over the micro-batches; this rank's mean loss if it has the last stage."""
         losses: list[torch.Tensor] = []
         if self.has_first:
             self.schedule.step(inputs, target=targets, losses=losses)
@@ -94,8 +94,11 @@ class Pipeline:
         return None
 
 
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def build_pipeline(spec: ModelSpec, cfg: RunConfig, dims: ParallelDims, device: torch.device,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss) -> Pipeline:
+                   loss_fn: LossFn = cross_entropy_loss) -> Pipeline:
     """Build this rank's stages on meta, parallelise each, and the schedule that drives them."""
     layout = dims.layout
     if layout.schedule not in SCHEDULE_CLASSES:
@@ -119,10 +122,9 @@ def build_pipeline(spec: ModelSpec, cfg: RunConfig, dims: ParallelDims, device: 
         stages.append(PipelineStage(module, sid, n_stages, device, group=pp_group))
     cls = SCHEDULE_CLASSES[layout.schedule]
     try:
-        if issubclass(cls, PipelineScheduleSingle):
-            schedule = cls(stages[0], n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=True)
-        else:
-            schedule = cls(stages, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=True)
+        # scale_grads: the loss is a per-micro-batch mean, so gradients are divided by their number.
+        first = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
+        schedule = cls(first, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=True)
     except ValueError as e:
         raise LayoutError(f"layout.schedule {layout.schedule!r} cannot run this layout: {e}") from e
     return Pipeline(schedule=schedule, stages=stages, modules=modules,

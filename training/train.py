@@ -46,7 +46,8 @@ from training.integrity import (
     param_fingerprint,
 )
 from training.mesh import ParallelDims
-from training.model import Transformer, cross_entropy_loss, flops_per_token as model_flops_per_token
+from training.model import Transformer, cross_entropy_loss
+from training.model import flops_per_token as model_flops_per_token
 from training.parallelize import (
     build_optimizer,
     check_layout_for_model,

@@ -100,6 +100,9 @@ class ControllerOptions:
     first_seq: int = 0  # a replacement controller continues its predecessor's event numbering
     max_events: int = 10_000
     linger_s: float | None = 3600.0  # a terminal controller actor exits after this (None: never)
+    # Rank faults to inject (issue 6): {"kind": "kill_rank"|"hang_rank"|"slow_rank", "rank", "at_step"};
+    # each fires once over the job's life, re-armed after a restart until it has fired.
+    faults: tuple[Mapping[str, Any], ...] = ()
     env_vars: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -153,6 +156,8 @@ class ControllerStateMachine:
         self._last_seen: dict[int, float] = {}
         self._ckpt_saved: dict[int, set[int]] = {}  # step -> ranks that reported it committed
         self._ckpt_open: int | None = None  # step whose save is under way
+        self._attempt_step = 0
+        self._pending_faults: list[dict[str, Any]] = [dict(f) for f in self.options.faults]
 
     # ---- the loop body ---------------------------------------------------------------------------
     def step(self) -> Transition | None:
@@ -263,7 +268,7 @@ class ControllerStateMachine:
 
     def _on_starting(self) -> Transition:
         try:
-            actual = self.wg.start(self.run_cfg, resume=self._resume)
+            actual = self.wg.start(self.run_cfg, resume=self._resume, faults=list(self._pending_faults))
         except (WorkerGroupError, PlacementError) as e:
             return self._on_failure(Failure(FailureKind.STARTUP, str(e)))
         intended = {r["rank"]: r for r in self.placement}
@@ -276,6 +281,7 @@ class ControllerStateMachine:
         self._last_seen = {r.rank: now for r in actual}
         self._ckpt_saved = {}
         self._ckpt_open = None
+        self._attempt_step = 0
         self._resume = True  # every later start continues from the last checkpoint
         self._event("started", f"{len(actual)} ranks started (attempt {self.restarts + 1})",
                     placement=self.placement, attempt=self.restarts + 1)
@@ -301,6 +307,9 @@ class ControllerStateMachine:
 
     def _on_recovering(self) -> Transition:
         self.wg.shutdown()
+        # A killed rank cannot report that its fault fired; the steps the job reached can.
+        reached = self.progress["step"] or 0
+        self._pending_faults = [f for f in self._pending_faults if int(f.get("at_step", 0)) > reached]
         self.restarts += 1
         self._resume = True
         self._event("restart", f"restart {self.restarts}: resuming from the last checkpoint",
@@ -350,6 +359,9 @@ class ControllerStateMachine:
                                 **{k: ev.get(k) for k in ("error_kind", "step", "ranks", "evidence")})
                 elif kind == "fault_injected":
                     fault, at = ev.get("fault"), ev.get("step")
+                    self._pending_faults = [
+                        f for f in self._pending_faults if (f.get("kind"), f.get("rank")) != (fault, rank)
+                    ]
                     self._event("fault_injected", f"{fault} on rank {rank} at step {at}",
                                 rank=rank, fault=fault, step=at)
                 elif kind == "started" and rank == 0:
@@ -358,8 +370,11 @@ class ControllerStateMachine:
 
     def _on_step_event(self, ev: Mapping[str, Any]) -> None:
         step = ev.get("step")
-        if not isinstance(step, int) or step < (self.progress["step"] or 0):
+        # Within an attempt steps only grow; a restart resumes from its checkpoint, so the
+        # progress may step back to it.
+        if not isinstance(step, int) or step < self._attempt_step:
             return
+        self._attempt_step = step
         p = self.progress
         p["step"] = step
         for key in ("loss", "tokens_per_s", "mfu", "step_time_s"):

@@ -179,7 +179,7 @@ class Topology:
 
     def with_health(self, health: Mapping[str, str], cordoned: Collection[str] = ()) -> Topology:
         """Merge the store's health ledger (name or id -> health) and the cordoned set.
-        A node Ray reports dead stays dead whatever the ledger says."""
+        A node Ray reports dead stays dead whatever the ledger says; cordons add up."""
         for key, value in health.items():
             if value not in HEALTH_STATES:
                 raise TopologyError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,9 +78,12 @@ class WorkerGroup(ABC):
         """Gang-reserve every rank's GPU; raises PlacementError (ReservationTimeout) if not granted."""
 
     @abstractmethod
-    def start(self, run_cfg: RunConfig, *, resume: bool) -> list[RankPlacement]:
+    def start(
+        self, run_cfg: RunConfig, *, resume: bool, faults: Sequence[Mapping[str, Any]] = ()
+    ) -> list[RankPlacement]:
         """Create the ranks in the reservation, rendezvous, launch training. Returns where each
-        rank really runs. Raises WorkerGroupStartupError."""
+        rank really runs. `faults` ({"kind", "rank", "at_step", ...}) are armed before training
+        starts (issue 6 injection). Raises WorkerGroupStartupError."""
 
     @abstractmethod
     def poll(self) -> GroupStatus:
@@ -199,8 +202,13 @@ class RayWorkerGroup(WorkerGroup):
         except (RayActorError, GetTimeoutError, ActorUnavailableError) as e:
             raise WorkerGroupStartupError(f"rendezvous/launch failed: {e}") from e
 
-    def start(self, run_cfg: RunConfig, *, resume: bool) -> list[RankPlacement]:
+    def start(
+        self, run_cfg: RunConfig, *, resume: bool, faults: Sequence[Mapping[str, Any]] = ()
+    ) -> list[RankPlacement]:
         actual = self.spawn()
+        for f in faults:
+            params = {k: v for k, v in f.items() if k not in ("kind", "rank", "at_step")}
+            self.inject_fault(str(f["kind"]), int(f["rank"]), int(f["at_step"]), **params)
         self.launch(run_cfg, resume=resume)
         return actual
 
@@ -225,8 +233,13 @@ class RayWorkerGroup(WorkerGroup):
         return list(self._actors)
 
     def inject_fault(self, kind: str, rank: int, at_step: int, **params: Any) -> None:
-        ref = self._actors[rank].schedule_fault.remote(kind, at_step, **params)
-        ray.get(ref, timeout=self.poll_timeout_s)
+        if not 0 <= rank < len(self._actors):
+            raise ValueError(f"fault rank must be in [0, {len(self._actors)}), got {rank}")
+        try:
+            ref = self._actors[rank].schedule_fault.remote(kind, at_step, **params)
+            ray.get(ref, timeout=self.poll_timeout_s)
+        except (RayActorError, GetTimeoutError, ActorUnavailableError) as e:
+            raise WorkerGroupError(f"could not arm {kind} on rank {rank}: {e}") from e
 
     def shutdown(self) -> None:
         for a in self._actors:

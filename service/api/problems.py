@@ -6,6 +6,7 @@ Validation errors name each offending field as a dotted path of the request body
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Sequence
@@ -85,6 +86,8 @@ def field_errors(errors: Sequence[Any]) -> list[FieldError]:
             message = "field required"
         elif err.get("type") == "extra_forbidden":
             message = "unknown field (not allowed here)"
+        if path and message.startswith(f"{path}: "):
+            message = message[len(path) + 2:]
         if location == "body" and not path:
             path = "body" if err.get("type") in ("missing", "json_invalid", "model_attributes_type") else path
         out.append(FieldError(field=path or location, message=message, location=location))  # type: ignore[arg-type]
@@ -95,7 +98,8 @@ def install_problem_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> ProblemResponse:
         errors = field_errors(exc.errors())
-        detail = "; ".join(f"{e.field}: {e.message}" for e in errors[:5])
+        detail = "; ".join(e.message if e.message.startswith(e.field) else f"{e.field}: {e.message}"
+                           for e in errors[:5])
         if len(errors) > 5:
             detail += f"; and {len(errors) - 5} more"
         return problem_response(422, "Invalid request", detail, instance=request.url.path, errors=errors)
@@ -112,6 +116,11 @@ def install_problem_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> ProblemResponse:
         from http import HTTPStatus
 
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # Undecodable bytes: the same "invalid body" answer as malformed JSON gets.
+            error = FieldError(field="body", message="the request body is not valid UTF-8 JSON", location="body")
+            return problem_response(422, "Invalid request", f"body: {error.message}", instance=request.url.path,
+                                    errors=[error])
         title = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else "Error"
         detail = exc.detail if isinstance(exc.detail, str) else title
         if exc.status_code == 404 and detail == "Not Found":
@@ -145,10 +154,24 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def add_problem_schemas(openapi: dict[str, Any]) -> dict[str, Any]:
-    """Put Problem (and FieldError) into components, where the responses above refer to them."""
+    """Put Problem (and FieldError) into components, and document every error response of every
+    route (including FastAPI's default 422 and routers that do not use `problem_responses`) as
+    the problem+json that the handlers above actually send."""
     schema = Problem.model_json_schema(ref_template="#/components/schemas/{model}")
     defs = schema.pop("$defs", {})
     components = openapi.setdefault("components", {}).setdefault("schemas", {})
     components.update(defs)
     components["Problem"] = schema
+    for path_item in openapi.get("paths", {}).values():
+        for operation in path_item.values():
+            for status, response in operation.get("responses", {}).items():
+                if status[0] in "45" and "application/json" in response.get("content", {}):
+                    response["content"] = dict(PROBLEM_CONTENT)
+    for unused in ("HTTPValidationError", "ValidationError"):
+        if unused not in _refs(openapi.get("paths", {})):
+            components.pop(unused, None)
     return openapi
+
+
+def _refs(node: Any) -> str:
+    return json.dumps(node)

@@ -37,9 +37,15 @@ from service.planner.specs import ClusterSpec, TrainSpec
 from training.spec import ModelSpec
 
 
+# Communication overlapped with compute is not free: collective kernels occupy SMs and HBM bandwidth
+# (NCCL runs 16-32 channels, i.e. SMs, of 132 on an H100). Each overlapped second costs this much
+# compute time (calibration, docs/planner.md).
+OVERLAP_SLOWDOWN = 0.15
+
+
 @dataclass(frozen=True, slots=True)
 class Tier:
-    name: str  # "node" (NVLink), "rack" (InfiniBand), "cross-rack" (InfiniBand / oversubscription)
+    name: str  # "intra-node" (NVLink), "inter-node" (InfiniBand), "inter-rack" (InfiniBand / oversubscription)
     bw: float
     latency: float
 
@@ -60,11 +66,16 @@ class Env:
         self.n, self.gpn, self.rack = cluster.num_gpus, cluster.gpn, cluster.rack_size
         self.s, self.g = train.seq_len, train.global_batch
         self.flops_per_step = flops_per_token(model, self.s) * self.g * self.s
+        # Hoisted per-token FLOPs for Micro (forward + backward, and what recomputation adds).
+        self.layer_flops = 6.0 * self.counts.matmul_active_per_layer + 12.0 * model.hidden * self.s
+        self.recompute_flops = {rc: recompute_flops_per_token_layer(model, self.s, rc)
+                                for rc in ("none", "selective", "full")}
+        self.is_moe = model.is_moe
         self.reserve = float(gpu.reserve_bytes)
         self.capacity = float(gpu.hbm_bytes)
-        self.node_tier = Tier("node", gpu.nvlink_bw, gpu.intra_latency_s)
-        self.rack_tier = Tier("rack", gpu.internode_bw, gpu.inter_latency_s)
-        self.cross_tier = Tier("cross-rack", gpu.internode_bw / cluster.oversubscription, gpu.inter_latency_s)
+        self.node_tier = Tier("intra-node", gpu.nvlink_bw, gpu.intra_latency_s)
+        self.rack_tier = Tier("inter-node", gpu.internode_bw, gpu.inter_latency_s)
+        self.cross_tier = Tier("inter-rack", gpu.internode_bw / cluster.oversubscription, gpu.inter_latency_s)
 
     def tier(self, span: int) -> Tier:
         """Slowest tier a group of `span` consecutive ranks crosses (rank order puts TP fastest)."""
@@ -105,7 +116,7 @@ class Family:
         self.p_layer_expert = c.experts / (tp * ep)
         self.emb = c.embed / tp
         # A tied head is a second copy of the embedding when it lives on another pipeline rank.
-        self.head = (c.head if c.head else (c.embed if pp > 1 else 0)) / tp
+        self.head = (c.head if c.head else (c.embed if pp > 1 else 0)) / tp + c.final_norm
 
     def key(self) -> tuple[int, int, int, int, int]:
         return (self.tp, self.cp, self.pp, self.dp, self.ep)
@@ -186,20 +197,18 @@ class Micro:
         tp, cp = fam.tp, fam.cp
         self.mbs, self.sp, self.recompute = mbs, sp, recompute
         s, h = env.s, m.hidden
-        s_loc = s // cp  # context parallel splits the sequence; ring attention holds one block at a time
+        s_loc = s // cp  # context parallel splits the sequence (queries); keys span all of it
         tokens = mbs * s_loc
-        self.act_layer = activation_bytes_per_layer(s_loc, mbs, h, m.heads, tp, sp, recompute)
+        self.act_layer = activation_bytes_per_layer(s_loc, mbs, h, m.heads, tp, sp, recompute, s)
         # Full recomputation re-materialises one layer at a time during backward.
         self.act_work = (activation_bytes_per_layer(s_loc, mbs, h, m.heads, tp, sp, "selective")
                          if recompute == "full" else 0.0)
         self.act_emb = 2.0 * tokens * h / (tp if sp else 1)  # embedding output (bf16)
         self.logits = 6.0 * tokens * m.vocab / tp  # bf16 logits + fp32 log-softmax for the loss
         rate = env.flops_rate
-        c = env.counts
         attn_flops = 12.0 * h * s  # per token, forward + backward (PaLM, Appendix B)
-        extra = recompute_flops_per_token_layer(m, s, recompute)
-        self.t_compute_plain = tokens * (6.0 * c.matmul_active_per_layer + attn_flops) / tp / rate
-        self.t_compute = self.t_compute_plain + tokens * extra / tp / rate
+        self.t_compute_plain = tokens * env.layer_flops / tp / rate
+        self.t_compute = self.t_compute_plain + tokens * env.recompute_flops[recompute] / tp / rate
         self.t_head = tokens * 6.0 * m.vocab * h / tp / rate
         # TP: forward and backward, plus the recomputed forward under full recomputation.
         passes = 3 if recompute == "full" else 2
@@ -212,11 +221,12 @@ class Micro:
             kv = 2.0 * tokens * m.n_kv_heads * m.head_dim * 2 / tp
             self.cp_bytes = 3.0 * (cp - 1) * kv
             ring = self.cp_bytes / fam.cp_tier.bw + 3 * (cp - 1) * fam.cp_tier.latency
-            self.t_cp = max(0.0, ring - tokens * attn_flops / tp / rate)
+            attn_time = tokens * attn_flops / tp / rate
+            self.t_cp = max(0.0, ring - attn_time) + OVERLAP_SLOWDOWN * min(ring, attn_time)
         else:
             self.cp_bytes, self.t_cp = 0.0, 0.0
         # EP: dispatch and combine all-to-alls, forward and backward (Lepikhin et al. 2020, GShard).
-        if m.is_moe and fam.ep > 1:
+        if env.is_moe and fam.ep > 1:
             self.ep_bytes = 4.0 * tokens * m.top_k * h * 2 * (fam.ep - 1) / fam.ep / tp
             self.t_ep = self.ep_bytes / fam.ep_tier.bw + 4 * (fam.ep - 1) * fam.ep_tier.latency
         else:
@@ -267,11 +277,13 @@ def dp_exposed(stage: Stage, combo: Combo, z: int) -> float:
 
     ZeRO-0/1 communicate once per step, overlapped with the last micro-batch's backward and the next
     step's first forward; ZeRO-2/3 communicate every micro-batch, overlapped with all of them. The last
-    bucket (about one layer's share) can never overlap.
+    bucket (about one layer's share) can never overlap, and what overlaps slows compute by
+    OVERLAP_SLOWDOWN.
     """
     total = stage.dp_once[z] + combo.m * stage.dp_per_mb[z]
     window = combo.compute_mb * (combo.m if z >= 2 else 1)
-    return max(total - window, total / stage.layers)
+    exposed = max(total - window, total / stage.layers)
+    return exposed + OVERLAP_SLOWDOWN * (total - exposed)
 
 
 def finish(stage: Stage, combo: Combo, z: int) -> tuple[float, float]:

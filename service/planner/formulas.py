@@ -100,16 +100,17 @@ def model_state_bytes(params: float, zero_stage: int, dp: int, bytes_per_param: 
 
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                               recompute: str = "none") -> float:
+                               recompute: str = "none", s_kv: int | None = None) -> float:
     """Activation bytes one transformer layer keeps for backward, for one micro-batch.
 
     Korthikanti et al. 2022, Table 2 (16-bit activations): s*b*h*(34 + 5*a*s/h) without parallelism,
     s*b*h*(10 + 24/t + 5*a*s/(h*t)) with tensor parallel, s*b*h/t*(34 + 5*a*s/h) with sequence
     parallel too; selective recomputation drops the 5*a*s/h attention term; full recomputation keeps
-    only the layer input, 2*s*b*h (divided by t with sequence parallel).
+    only the layer input, 2*s*b*h (divided by t with sequence parallel). With context parallel, `s` is
+    a rank's share of the sequence and `s_kv` the full length its queries attend to (scores are s x s_kv).
     """
     sbh = float(s) * b * h
-    attn = 0.0 if recompute == "selective" else 5.0 * a * s / h
+    attn = 0.0 if recompute == "selective" else 5.0 * a * (s if s_kv is None else s_kv) / h
     if recompute == "full":
         return 2.0 * sbh / (t if sp else 1)
     if sp:

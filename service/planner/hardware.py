@@ -71,13 +71,18 @@ GPU_CATALOG: dict[str, GpuType] = {
         "B200", 2.25e15, 180 * GiB, 8.0e12, 900e9, 50e9, 8, 0.55, 5e-6, 10e-6,
         _RESERVE_FIXED, _RESERVE_FRACTION, "NVIDIA B200 (DGX B200, NDR InfiniBand)",
     ),
-    # The embedded CPU cluster: each "GPU" is one gloo process on a shared CPU. Nothing here is a
-    # hardware limit. The memory is a *budget* chosen so that the demo model (preset "demo", global
-    # batch 8, 8 virtual GPUs, 4 per node) does not fit unless TP x PP >= 4, and the latencies are
-    # gloo-over-loopback-sized, which makes 4-way collectives cost more than a 2-stage pipeline's
-    # bubble. The planner therefore picks tp=2, pp=2, dp=2 for the demo by itself (docs/planner.md).
+    # The embedded CPU cluster: each "GPU" is one gloo process on a shared CPU, each "node" a group of
+    # them. Nothing here is a hardware limit; the numbers make the virtual cluster behave like a real
+    # one at toy scale (docs/planner.md, "cpu-virtual"):
+    #  - 20 GFLOP/s: one CPU core's fp32 FMA throughput, order of magnitude;
+    #  - inside a node 2 GB/s and 50 us per hop: gloo between processes on one host;
+    #  - across nodes 20 MB/s and 200 us: the lecture's node cliff, scaled so that bandwidth-hungry
+    #    traffic (TP, DP) must stay inside a virtual node and only PP crosses it;
+    #  - 3200 KiB of memory: a budget under which the demo model (preset "demo", 14 MB of model state at
+    #    16 bytes/param) needs tensor parallel to fit without recomputation.
+    # With these the planner picks tp=2, pp=2, dp=2 for the demo on 8 GPUs (4 per node) by itself.
     "cpu-virtual": GpuType(
-        "cpu-virtual", 2e10, 6 * 1024**2, 20e9, 2e9, 1e9, 4, 0.5, 50e-6, 100e-6,
+        "cpu-virtual", 2e10, 3200 * 1024, 20e9, 2e9, 2e7, 4, 0.5, 50e-6, 200e-6,
         0, 0.0, "embedded CPU cluster (gloo processes; memory is a planning budget, see docs/planner.md)",
     ),
 }

@@ -26,8 +26,12 @@ _PART_WORDS = {
 }
 
 
-def gib(nbytes: float) -> str:
-    return f"{nbytes / GiB:.1f} GiB"
+def fmt_bytes(nbytes: float) -> str:
+    """Human-readable bytes (binary units)."""
+    for unit, size in (("TiB", 1024**4), ("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 @dataclass

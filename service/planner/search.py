@@ -19,7 +19,7 @@ from typing import Any
 from service.planner.costmodel import Combo, Env, Family, Micro, Stage, combine, finish
 from service.planner.errors import PlannerError
 from service.planner.formulas import V_SHAPED
-from service.planner.result import Detail, Plan, build_detail, gib, why_slower
+from service.planner.result import Detail, Plan, build_detail, fmt_bytes, why_slower
 from service.planner.specs import MAX_GPUS, ClusterSpec, TrainSpec
 from training.layout import MULTI_STAGE_SCHEDULES, SCHEDULES, Layout, LayoutError
 from training.spec import ModelSpec
@@ -30,6 +30,9 @@ DEFAULT_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 INTERLEAVE_DEPTHS: tuple[int, ...] = (2, 3, 4, 6, 8)  # v tried by the search for interleaved schedules
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 MAX_MICRO_BATCH = 1024
+# Context parallel is searched only while each rank keeps this many tokens: shorter ring blocks cannot
+# hide the K/V exchange and run attention kernels far below peak (Llama 3 uses CP only for long context).
+MIN_CP_TOKENS = 2048
 MAX_REASONS_LISTED = 8
 
 # A candidate: (step_s, zero_stage, mem_bytes, stage, micro, combo)
@@ -96,12 +99,15 @@ class _Search:
         self.evaluated = 0
         self.families = 0  # structurally valid families
         self.rejected: list[dict[str, str]] = []
+        self._seen: set[tuple[str, str]] = set()
         self.fam_best: dict[tuple[int, ...], Candidate] = {}
         self.fam_leanest: dict[tuple[int, ...], tuple[float, str]] = {}
         self.best: Candidate | None = None
 
     def _reject(self, family: str, reason: str) -> None:
-        self.rejected.append({"family": family, "reason": reason})
+        if (family, reason) not in self._seen:
+            self._seen.add((family, reason))
+            self.rejected.append({"family": family, "reason": reason})
 
     def tp_options(self) -> list[int]:
         env, m = self.env, self.env.model
@@ -111,7 +117,8 @@ class _Search:
             if t > m.heads:
                 break
             if m.heads % t or m.n_kv_heads % t:
-                self._reject(f"tp={t}", f"tp={t} does not divide the {m.heads} heads and {m.n_kv_heads} KV heads")
+                what = f"{m.heads} heads" if m.heads % t else f"{m.n_kv_heads} KV heads"
+                self._reject(f"tp={t}", f"tp={t} does not divide the {what}")
             elif t > env.gpn or env.gpn % t:
                 if not crossed:
                     self._reject(f"tp={t}", f"tp={t} crosses the {env.gpn}-GPU node")
@@ -126,6 +133,8 @@ class _Search:
             for cp in _divisors(env.n // tp):
                 if env.s % cp:
                     continue
+                if cp > 1 and env.s // cp < MIN_CP_TOKENS:
+                    break
                 span = tp * cp
                 if env.n > env.rack and (span > env.rack or env.rack % span):
                     self._reject(f"tp={tp},cp={cp}", f"cp={cp} with tp={tp} spans more than a {env.rack}-GPU rack")
@@ -134,7 +143,7 @@ class _Search:
                 for pp in _divisors(env.n // span):
                     if pp > model.layers:
                         if not too_deep:
-                            self._reject(f"tp={tp},cp={cp},pp={pp}", f"pp={pp} exceeds the {model.layers} layers")
+                            self._reject(f"pp={pp}", f"pp={pp} exceeds the {model.layers} layers")
                             too_deep = True
                         continue
                     dp = env.n // (span * pp)
@@ -195,7 +204,7 @@ class _Search:
                                 best = cand
         if best is None:
             if lean < math.inf:
-                self._reject(name, f"needs {gib(lean)} > {gib(cap)} per GPU even at its leanest ({lean_desc})")
+                self._reject(name, f"needs {fmt_bytes(lean)} > {fmt_bytes(cap)} per GPU even at its leanest ({lean_desc})")
                 self.fam_leanest[key] = (lean, lean_desc)
             return False
         self.fam_best[key] = best
@@ -221,7 +230,7 @@ def _too_big_message(env: Env, search: _Search, zero_stages: Sequence[int], sche
                     f"use a global batch that is a multiple of the data-parallel size or fewer GPUs")
         return f"{head}: no schedule can run the batch (try more micro-batches)"
     lean, desc = min(search.fam_leanest.values())
-    msg = f"{head}: the leanest layout ({desc}) needs {gib(lean)} > {gib(env.capacity)} per GPU"
+    msg = f"{head}: the leanest layout ({desc}) needs {fmt_bytes(lean)} > {fmt_bytes(env.capacity)} per GPU"
     smallest = _smallest_fitting(env, zero_stages, schedules)
     if smallest is None:
         return msg + "; no cluster of this GPU type up to a million GPUs fits it at this global batch"
@@ -235,27 +244,24 @@ def _fits(env: Env, zero_stages: Sequence[int], schedules: Sequence[str]) -> boo
 
 
 def _smallest_fitting(env: Env, zero_stages: Sequence[int], schedules: Sequence[str]) -> int | None:
-    """Smallest multiple-of-a-node cluster that fits: doubling to bracket it, then a coarse scan."""
+    """Smallest whole-node cluster that fits: doubling to bracket it, then a coarse scan of the bracket."""
     c, gpn = env.cluster, env.cluster.node_size
 
     def fits(n: int) -> bool:
         return _fits(Env(env.model, env.train, c.with_gpus(n)), zero_stages, schedules)
 
-    lo, n = env.n, max(gpn, env.n)
-    hi = None
+    prev, n, hi = env.n, (env.n // gpn + 1) * gpn, None
     while n <= MAX_GPUS:
-        n = max(n * 2, gpn) if n > env.n or n % gpn else n * 2
-        if n > MAX_GPUS:
-            break
         if fits(n):
             hi = n
             break
-        lo = n
+        prev, n = n, n * 2
     if hi is None:
         return None
-    step = max(gpn, (hi - lo) // 16 // gpn * gpn)
-    for cand in range(lo - lo % gpn + gpn if lo >= gpn else gpn, hi, step):
-        if cand > env.n and fits(cand):
+    first = (prev // gpn + 1) * gpn
+    step = max(gpn, (hi - first) // 16 // gpn * gpn)
+    for cand in range(first, hi, step):
+        if fits(cand):
             return cand
     return hi
 
@@ -319,13 +325,13 @@ def _variant_note(env: Env, base: Detail, label: str, layout: Layout) -> str | N
     except (PlannerError, LayoutError):
         return None
     if not d.fits:
-        return f"{label} needs {gib(d.memory['total'])} > {gib(env.capacity)}"
+        return f"{label} needs {fmt_bytes(d.memory['total'])} > {fmt_bytes(env.capacity)}"
     if d.step_time_s > base.step_time_s:
         return f"{label}: {d.step_time_s / base.step_time_s - 1:.1%} slower ({why_slower(d, base)})"
     extra = d.memory["total"] - base.memory["total"]
     if d.step_time_s == base.step_time_s:
         if extra > 0:
-            return f"{label}: same step time, {gib(extra)} more memory"
+            return f"{label}: same step time, {fmt_bytes(extra)} more memory"
         return f"{label}: same step time and no less traffic"
     return None
 
@@ -334,11 +340,11 @@ def _explain(env: Env, d: Detail, p: Plan, search: _Search, zs: Sequence[int], s
     lay = d.layout
     out = [
         f"chosen {lay.describe()}: {p.step_time_s:.4g} s/step, MFU {p.mfu:.1%}, "
-        f"{gib(d.memory['total'])} of {gib(env.capacity)} per GPU; best of {search.evaluated} candidates "
+        f"{fmt_bytes(d.memory['total'])} of {fmt_bytes(env.capacity)} per GPU; best of {search.evaluated} candidates "
         f"in {search.families} tp x cp x pp x dp families"
     ]
     if lay.tp > 1:
-        out.append(f"tp={lay.tp} all-reduces run on the {d.tiers['tp']} tier (NVLink inside the {env.gpn}-GPU node)")
+        out.append(f"tp={lay.tp} all-reduces run on the {d.tiers['tp']} tier (inside the {env.gpn}-GPU node)")
     if lay.pp > 1:
         out.append(f"pp={lay.pp} sends b*s*h per micro-batch over the {d.tiers['pp']} tier; bubble "
                    f"{d.bubble:.1%} with m={lay.num_microbatches}" + (f", v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""))
@@ -412,9 +418,9 @@ def evaluate(model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, layout: L
     result = Plan.from_detail(d, mode="evaluate", env=env)
     result.candidates_evaluated = 1
     reasons = [f"evaluated {layout.describe()}: {result.step_time_s:.4g} s/step, MFU {result.mfu:.1%}, "
-               f"{gib(d.memory['total'])} of {gib(env.capacity)} per GPU"]
+               f"{fmt_bytes(d.memory['total'])} of {fmt_bytes(env.capacity)} per GPU"]
     if not d.fits:
-        reasons.append(f"does not fit: needs {gib(d.memory['total'])} > {gib(env.capacity)} per GPU")
+        reasons.append(f"does not fit: needs {fmt_bytes(d.memory['total'])} > {fmt_bytes(env.capacity)} per GPU")
     if layout.tp > env.gpn or env.gpn % layout.tp:
         reasons.append(f"tp={layout.tp} crosses the {env.gpn}-GPU node: its all-reduces run on the "
                        f"{d.tiers['tp']} tier")
@@ -428,8 +434,8 @@ def evaluate(model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, layout: L
         try:
             best = plan(model, train, cluster, top_k=0)
             faster = result.step_time_s / best.step_time_s - 1.0
-            reasons.append(f"the search's best layout {best.layout.describe()} predicts {best.step_time_s:.4g} s/step "
-                           f"({faster:+.1%} for this layout)")
+            reasons.append(f"the search's best layout {best.layout.describe()} predicts {best.step_time_s:.4g} s/step; "
+                           f"this layout is {faster:.1%} slower")
         except PlannerError as e:
             reasons.append(f"search found nothing to compare: {e}")
     result.reasons = reasons

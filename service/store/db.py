@@ -43,8 +43,9 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **kwargs)
         _configure_sqlite(engine)
         return engine
-    kwargs.setdefault("pool_size", 10)
-    kwargs.setdefault("max_overflow", 30)
+    if "poolclass" not in kwargs:  # NullPool (migrations) takes no pool sizing
+        kwargs.setdefault("pool_size", 10)
+        kwargs.setdefault("max_overflow", 30)
     kwargs.setdefault("pool_pre_ping", True)
     return create_engine(url, **kwargs)
 

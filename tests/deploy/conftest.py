@@ -37,8 +37,11 @@ class MetricsTarget:
 @pytest.fixture(scope="session")
 def metrics_target() -> Iterator[MetricsTarget]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.deploy.metrics_target"], cwd=ROOT, text=True,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        [sys.executable, "-m", "tests.deploy.metrics_target"],
+        cwd=ROOT,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
     )
     assert process.stdout is not None
     first = process.stdout.readline().split()
@@ -61,7 +64,9 @@ def metrics_target() -> Iterator[MetricsTarget]:
 
 
 @pytest.fixture(scope="session")
-def prometheus(metrics_target: MetricsTarget, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PromServer]:
+def prometheus(
+    metrics_target: MetricsTarget, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PromServer]:
     """A real Prometheus (scrape interval 1 s) that has scraped the metrics target at least once."""
     require_binary("prometheus", "prometheus")
     server = start_prometheus([metrics_target.address], Path(tmp_path_factory.mktemp("prom")))

@@ -48,7 +48,12 @@ def fill_cluster() -> None:
     m.HTTP_REQUESTS.labels("/v1/jobs", "POST", "500").inc()
     m.HTTP_LATENCY.labels("/v1/jobs", "GET").observe(0.02)
     m.RESTARTS_BY_CAUSE.labels("rank_died").inc()
-    nodes = (("n1", "r1", "ready"), ("n2", "r1", "ready"), ("n3", "r2", "suspect"), ("n4", "r2", "quarantined"))
+    nodes = (
+        ("n1", "r1", "ready"),
+        ("n2", "r1", "ready"),
+        ("n3", "r2", "suspect"),
+        ("n4", "r2", "quarantined"),
+    )
     for node, rack, health in nodes:
         m.GPUS_TOTAL.labels(node, rack).set(4)
         m.GPUS_FREE.labels(node, rack).set(0 if health == "quarantined" else 2)

@@ -90,10 +90,14 @@ def start_prometheus(
     workdir = Path(tmp_path) / f"prometheus-{port}"
     (workdir / "data").mkdir(parents=True)
     config: dict[str, object] = {
-        "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval,
-                   "scrape_timeout": scrape_interval},
-        "scrape_configs": [{"job_name": job_name, "metrics_path": "/metrics",
-                            "static_configs": [{"targets": list(targets)}]}],
+        "global": {
+            "scrape_interval": scrape_interval,
+            "evaluation_interval": scrape_interval,
+            "scrape_timeout": scrape_interval,
+        },
+        "scrape_configs": [
+            {"job_name": job_name, "metrics_path": "/metrics", "static_configs": [{"targets": list(targets)}]}
+        ],
     }
     if rule_files:
         config["rule_files"] = [str(Path(p).resolve()) for p in rule_files]
@@ -102,10 +106,18 @@ def start_prometheus(
     log_path = workdir / "prometheus.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [binary, f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h",
-             "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir,
+            [
+                binary,
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--storage.tsdb.retention.time=1h",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=workdir,
             env={**os.environ},
         )
     server = PromServer(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path)
@@ -130,7 +142,9 @@ def query(url: str, expr: str, *, at: float | None = None) -> list[dict]:
     if at is not None:
         params["time"] = f"{at:.3f}"
     request = urllib.request.Request(
-        f"{url}/api/v1/query", data=urllib.parse.urlencode(params).encode(), method="POST",
+        f"{url}/api/v1/query",
+        data=urllib.parse.urlencode(params).encode(),
+        method="POST",
         headers={"Content-Type": "application/x-www-form-urlencoded"},
     )
     try:

@@ -22,14 +22,16 @@ PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 # Ray's own metrics the dashboards use (docs/metrics.md, "Ray's metrics"). Ray exports them on each
 # node's metrics export port with the prefix `ray_`; test_promql checks each is still defined in the
 # installed Ray's reporter agent.
-RAY_METRICS = frozenset({
-    "ray_node_cpu_utilization",
-    "ray_node_mem_used",
-    "ray_node_mem_total",
-    "ray_node_gpus_utilization",
-    "ray_node_gram_used",
-    "ray_cluster_active_nodes",
-})
+RAY_METRICS = frozenset(
+    {
+        "ray_node_cpu_utilization",
+        "ray_node_mem_used",
+        "ray_node_mem_total",
+        "ray_node_gpus_utilization",
+        "ray_node_gram_used",
+        "ray_cluster_active_nodes",
+    }
+)
 # Series Prometheus itself attaches to every scrape target.
 PROMETHEUS_SERIES = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped"})
 
@@ -42,15 +44,43 @@ GRAFANA_VARIABLES = {
     "rack": ".*",
 }
 
-_FUNCTIONS_AND_KEYWORDS = frozenset({
-    # aggregation operators and their modifiers
-    "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values", "bottomk", "topk",
-    "quantile", "limitk", "limit_ratio", "by", "without",
-    # binary operators and vector matching
-    "and", "or", "unless", "on", "ignoring", "group_left", "group_right", "bool", "atan2",
-    # modifiers and literals
-    "offset", "start", "end", "inf", "nan",
-})
+_FUNCTIONS_AND_KEYWORDS = frozenset(
+    {
+        # aggregation operators and their modifiers
+        "sum",
+        "min",
+        "max",
+        "avg",
+        "group",
+        "stddev",
+        "stdvar",
+        "count",
+        "count_values",
+        "bottomk",
+        "topk",
+        "quantile",
+        "limitk",
+        "limit_ratio",
+        "by",
+        "without",
+        # binary operators and vector matching
+        "and",
+        "or",
+        "unless",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "bool",
+        "atan2",
+        # modifiers and literals
+        "offset",
+        "start",
+        "end",
+        "inf",
+        "nan",
+    }
+)
 _LABEL_LIST_KEYWORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right"})
 _TOKEN = re.compile(
     r"""
@@ -123,22 +153,25 @@ def dashboards() -> dict[str, dict]:
     return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARD_DIR.glob("*.json"))}
 
 
-def _panels(panels: list[dict]) -> list[dict]:
+def panels_of(panels: list[dict]) -> list[dict]:
     out: list[dict] = []
     for panel in panels:
         out.append(panel)
-        out.extend(_panels(panel.get("panels", [])))  # rows may nest panels
+        out.extend(panels_of(panel.get("panels", [])))  # rows may nest panels
     return out
 
 
 def dashboard_expressions() -> list[Expression]:
     exprs = []
     for name, dash in dashboards().items():
-        for panel in _panels(dash.get("panels", [])):
+        for panel in panels_of(dash.get("panels", [])):
             for target in panel.get("targets", []):
                 if "expr" in target:
-                    exprs.append(Expression(f"{name}: panel {panel.get('title')!r} {target.get('refId')}",
-                                            target["expr"]))
+                    exprs.append(
+                        Expression(
+                            f"{name}: panel {panel.get('title')!r} {target.get('refId')}", target["expr"]
+                        )
+                    )
     return exprs
 
 

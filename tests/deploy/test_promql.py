@@ -59,8 +59,11 @@ def test_every_referenced_metric_exists() -> None:
 
 
 def test_variable_queries_name_a_label_of_their_metric(prometheus: PromServer) -> None:
-    families = {name: collector for collector, names in REGISTRY._collector_to_names.items()  # noqa: SLF001
-                for name in names}
+    families = {
+        name: collector
+        for collector, names in REGISTRY._collector_to_names.items()  # noqa: SLF001
+        for name in names
+    }
     for source, q in variable_queries():
         metric, label = label_values_metric(q)
         assert label in families[metric]._labelnames, f"{source}: {metric} has no label {label}"  # noqa: SLF001
@@ -70,14 +73,14 @@ def test_variable_queries_name_a_label_of_their_metric(prometheus: PromServer) -
 
 def test_metric_name_parser() -> None:
     assert metric_names_in(
-        'histogram_quantile(0.95, sum by (le, route) (rate(lattice_http_request_duration_seconds_bucket'
+        "histogram_quantile(0.95, sum by (le, route) (rate(lattice_http_request_duration_seconds_bucket"
         '{route=~"/v1/.*", method="GET"}[5m])))'
     ) == {"lattice_http_request_duration_seconds_bucket"}
     assert metric_names_in(
         "changes(a_metric[15m]) == 0 and on (job_id) (b_metric offset 15m) unless ignoring(x) c:rule"
     ) == {"a_metric", "b_metric", "c:rule"}
     assert metric_names_in('count(x{state="by"} == 1) or vector(0)') == {"x"}
-    assert metric_names_in('sum(rate(x_total[1m])) by (cause) / 1e3 * 1024') == {"x_total"}
+    assert metric_names_in("sum(rate(x_total[1m])) by (cause) / 1e3 * 1024") == {"x_total"}
     assert metric_names_in('{__name__="y", job="ray"}') == {"y"}
     # A renamed metric is caught: it is parsed, and it is not in the registry.
     assert metric_names_in("lattice_job_stepz") - KNOWN == {"lattice_job_stepz"}
@@ -93,10 +96,13 @@ def test_ray_metrics_are_defined_by_the_installed_ray() -> None:
         assert re.search(rf'"{name.removeprefix("ray_")}"', source), f"{name} is not defined in {reporter}"
 
 
-INSTANT = [e for e in EXPRESSIONS
-           if not e.source.startswith("alerts.yml")
-           and not re.search(r"\[[^\]]+\]", e.promql)  # range functions need several scrapes
-           and not metric_names_in(e.promql) & (RAY_METRICS | PROMETHEUS_SERIES)]
+INSTANT = [
+    e
+    for e in EXPRESSIONS
+    if not e.source.startswith("alerts.yml")
+    and not re.search(r"\[[^\]]+\]", e.promql)  # range functions need several scrapes
+    and not metric_names_in(e.promql) & (RAY_METRICS | PROMETHEUS_SERIES)
+]
 
 
 @pytest.mark.parametrize("expr", INSTANT, ids=_ids(INSTANT))

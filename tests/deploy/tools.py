@@ -29,7 +29,16 @@ def require_binary(name: str, debian_package: str) -> str:
     return path
 
 
-def run(cmd: list[str], *, env: dict[str, str] | None = None, cwd: Path = ROOT,
-        timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL, check=False)
+def run(
+    cmd: list[str], *, env: dict[str, str] | None = None, cwd: Path = ROOT, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )

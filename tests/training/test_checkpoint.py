@@ -440,5 +440,7 @@ def test_mismatched_state_and_bad_arguments_are_refused(tmp_path):
         load_checkpoint(tmp_path / "step-1", [fresh], torch.optim.AdamW(fresh.parameters(), lr=LR))
     with pytest.raises(ValueError, match="JSON-serialisable"):
         save_checkpoint(str(tmp_path), 2, [model], opt, {"bad": object()})
-    with pytest.raises(ValueError, match="one optimizer per model part"):
-        save_checkpoint(str(tmp_path), 2, [model.fc1, model.fc2], opt, {})
+    with pytest.raises(ValueError, match="one optimizer per model part: got 2 optimizer"):
+        save_checkpoint(str(tmp_path), 2, [model], [opt, opt], {})
+    with pytest.raises(ValueError, match=r"model parts share parameter names \['bias', 'weight'\]"):
+        save_checkpoint(str(tmp_path), 2, [model.fc1, model.fc2], None, {})

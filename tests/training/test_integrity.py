@@ -42,7 +42,10 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_and_watch(
-    rank: int, group: dist.ProcessGroup | None, flips: list[BitFlip], grad_detector: GradNormSpikeDetector | None = None
+    rank: int,
+    group: dist.ProcessGroup | None,
+    flips: list[BitFlip],
+    grad_detector: GradNormSpikeDetector | None = None,
 ) -> dict[str, object]:
     """Train a DDP replica; every step: inject, check loss and grad norm, fingerprint and vote."""
     torch.manual_seed(0)
@@ -72,7 +75,9 @@ def train_and_watch(
         opt.step()
         v = vote_fingerprints(param_fingerprint([model]), group)
         if not v.ok:
-            events.append({"kind": "divergent_replicas", "step": step, "ranks": v.divergent, "ambiguous": v.ambiguous})
+            events.append(
+                {"kind": "divergent_replicas", "step": step, "ranks": v.divergent, "ambiguous": v.ambiguous}
+            )
     return {"events": events, "applied": len(injector.applied)}
 
 

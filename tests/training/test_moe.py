@@ -51,13 +51,14 @@ def _run_case(rank: int, world: int, seed: int, ep: int, k: int, cf: float | Non
     layer = MoELayer(HIDDEN, FFN, EXPERTS, k, cf, ep_group=ep_groups[ep][group_id], activation=act, seed=seed)
     x = xs[rank].clone().requires_grad_()
     y, aux = layer(x)
-    # The loss every DP rank minimises is the mean over the dp world of (sum(y * w) + aux_r).
-    ((y * ws[rank]).sum() + aux).div(world).backward()
+    # Each rank's loss; the global loss is their mean over the dp world (DP averages the gradients).
+    ((y * ws[rank]).sum() + aux).backward()
     stats = layer.last_stats
     assert stats is not None
-    for p in layer.dense_parameters():  # DP averaging of the replicated router (already divided by world)
+    for p in layer.dense_parameters():  # the replicated router: ordinary DP averaging
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-    reduce_expert_grads(layer, edp_groups.get(ep, {}).get(ep_rank), dp_world=1)  # loss already / world
+        p.grad.div_(world)
+    reduce_expert_grads(layer, edp_groups.get(ep, {}).get(ep_rank), dp_world=world)
 
     # Reference: one rank, no EP, each EP group's tokens concatenated in rank order.
     ref = MoELayer(HIDDEN, FFN, EXPERTS, k, cf, ep_group=None, activation=act, seed=seed)
@@ -83,7 +84,7 @@ def _run_case(rank: int, world: int, seed: int, ep: int, k: int, cf: float | Non
     shard = slice(ep_rank * (EXPERTS // ep), (ep_rank + 1) * (EXPERTS // ep))
     errs = {
         "y": _max_err(y.detach(), ref_y.detach()),
-        "x_grad": _max_err(x.grad, ref_x.grad[mine]),
+        "x_grad": _max_err(x.grad / world, ref_x.grad[mine]),  # activations are not DP-averaged
         "aux": abs(aux_mean.item() / ep - ref_aux.item()) / abs(ref_aux.item()),
         "router_grad": _max_err(layer.router.weight.grad, ref.router.weight.grad),
         "init": max(_max_err(mine_p.detach(), full.detach()[shard])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -58,7 +59,8 @@ def reference(steps: int) -> list[torch.Tensor]:
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    tensors = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def run_sharded(
@@ -123,7 +125,8 @@ def _zero_worker(rank: int, world: int, shard_dir: str) -> dict[str, object]:
     run_sharded(model2, opt2, rank, world, range(STEPS // 2, STEPS))
     run_sharded(model3, opt3, 0, 1, range(STEPS // 2, STEPS), group=singles[rank])
     out["diff"] = max_diff(model, ref)
-    out["resumed_equal"] = all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters(), strict=True))
+    pairs = zip(model.parameters(), model2.parameters(), strict=True)
+    out["resumed_equal"] = all(torch.equal(p, q) for p, q in pairs)
     out["resharded_diff"] = max_diff(model3, ref)
 
     opt.zero_grad(set_to_none=True)

@@ -126,6 +126,10 @@ class NaiveDDP(_DataParallel):
 class FlatDDP(_DataParallel):
     """All gradients copied into one flat buffer per dtype, one all-reduce, copied back."""
 
+    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(module, process_group)
+        self._flat: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # reused across steps
+
     def finish_gradient_synchronization(self) -> None:
         if self.world_size == 1:
             return
@@ -133,8 +137,12 @@ class FlatDDP(_DataParallel):
         for _, g in self._grads():
             groups.setdefault((g.dtype, g.device), []).append(g)
         with torch.no_grad():
-            for grads in groups.values():
-                flat = torch.cat([g.reshape(-1) for g in grads])
+            for key, grads in groups.items():
+                numel = sum(g.numel() for g in grads)
+                if key not in self._flat or self._flat[key].numel() != numel:
+                    self._flat[key] = torch.empty(numel, dtype=key[0], device=key[1])
+                flat = self._flat[key]
+                torch.cat([g.reshape(-1) for g in grads], out=flat)
                 dist.all_reduce(flat, group=self.process_group)
                 flat.div_(self.world_size)
                 offset = 0
@@ -184,7 +192,9 @@ class DDP(_DataParallel):
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if bucket_size_mb is not None and not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be > 0 or None (one bucket per parameter), got {bucket_size_mb}")
+            raise ValueError(
+                f"bucket_size_mb must be > 0 or None (one bucket per parameter), got {bucket_size_mb}"
+            )
         super().__init__(module, process_group)
         self.bucket_size_mb = bucket_size_mb
         self._buckets = self._build_buckets(unique_params(module, True), bucket_size_mb)
@@ -196,7 +206,7 @@ class DDP(_DataParallel):
                 for pos, p in enumerate(bucket.params):
                     hook = functools.partial(self._on_grad_accumulated, bi, pos)
                     self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
-        log.debug("DDP: %d buckets of %s MB over %d ranks", len(self._buckets), bucket_size_mb, self.world_size)
+        log.debug("DDP: %d buckets of %s MB, %d ranks", len(self._buckets), bucket_size_mb, self.world_size)
 
     @staticmethod
     def _build_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> list[_Bucket]:

@@ -206,12 +206,14 @@ class ShardedOptimizer(Optimizer):
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(
-                f"optimizer state_dict has {len(groups)} param groups, this optimizer has {len(self.param_groups)}"
+                f"optimizer state_dict has {len(groups)} param groups, "
+                f"this optimizer has {len(self.param_groups)}"
             )
         for saved, g in zip(groups, self.param_groups, strict=True):
             if len(saved["params"]) != len(g["params"]):
                 raise ValueError(
-                    f"optimizer state_dict param group has {len(saved['params'])} params, expected {len(g['params'])}"
+                    f"optimizer state_dict param group has {len(saved['params'])} params, "
+                    f"expected {len(g['params'])}"
                 )
         state = {int(k): v for k, v in state_dict["state"].items()}
         order = self._inner_order()

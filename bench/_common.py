@@ -1,0 +1,165 @@
+"""Shared pieces of the data-parallel benchmarks: a rank spawner, the ~20M-parameter model, timing, tables.
+
+The spawner follows the hardware like the train entry points do (NCCL + one GPU per rank when CUDA
+has enough devices, gloo on CPU otherwise) and returns what rank 0's function returns.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from training.dist import free_port
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
+    os.environ["LOCAL_RANK"] = str(rank)
+    threads = max(1, (os.cpu_count() or 1) // world)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)
+    from training.dist import default_backend, init_distributed, shutdown
+
+    backend = default_backend()
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        backend = "gloo"  # NCCL needs a GPU per rank
+    try:
+        init_distributed(rank, world, "127.0.0.1", port, backend=backend, timeout_s=600)
+        result = fn(rank, world, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - report anything to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def spawn(world: int, fn: Callable[..., Any], args: tuple = (), timeout_s: float = 1200.0) -> Any:
+    """Run `fn(rank, world, *args)` on `world` processes; return rank 0's result (plain Python data)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, ok, payload = queue.get(timeout=timeout_s)
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return results[0]
+
+
+def bench_device(rank: int) -> torch.device:
+    if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def build_bench_model(seed: int, device: torch.device) -> tuple[nn.Module, Callable[..., torch.Tensor], int]:
+    """The project's GPT model at ~21M parameters (6 x 512, vocab 2048), or a torch.nn stand-in.
+
+    Returns (model, loss_fn(model, tokens) -> loss, vocab).
+    """
+    vocab = 2048
+    try:
+        from training.model import build_model, cross_entropy_loss
+        from training.spec import ModelSpec
+
+        spec = ModelSpec(layers=6, hidden=512, heads=8, vocab=vocab, seq_len=128, name="bench-21m")
+        model = build_model(spec, seed=seed, device=device)
+
+        def loss_fn(m: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+            return cross_entropy_loss(m(tokens[:, :-1]), tokens[:, 1:])
+
+        return model, loss_fn, vocab
+    except Exception:  # noqa: BLE001 - the project's model is optional for the benchmark
+        torch.manual_seed(seed)
+        model = _TorchNNTransformer(vocab).to(device)
+
+        def nn_loss(m: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+            logits = m(tokens[:, :-1])
+            return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+        return model, nn_loss, vocab
+
+
+class _TorchNNTransformer(nn.Module):
+    def __init__(self, vocab: int, d: int = 512, layers: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, 8, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=x.device)
+        return self.head(self.blocks(self.emb(x), mask=mask, is_causal=True))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.start = 0.0
+
+    def __enter__(self) -> Timer:
+        sync(self.device)
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sync(self.device)
+        self.elapsed = time.perf_counter() - self.start
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def machine() -> str:
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{datetime.date.today().isoformat()}, {platform.machine()} {os.cpu_count()} cores, {gpu}, "
+        f"torch {torch.__version__}, python {platform.python_version()}"
+    )
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        for row in cells
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(c: Any) -> str:
+    if isinstance(c, float):
+        return f"{c:.3f}" if abs(c) < 100 else f"{c:.1f}"
+    return str(c)

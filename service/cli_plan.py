@@ -1,0 +1,153 @@
+"""`lattice plan`: choose (or evaluate) a parallel layout and print the evidence.
+
+`plan_command` is a typer command function; the CLI module registers it (`app.command("plan")(plan_command)`).
+Bad input prints one line to stderr and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from service.planner import (
+    ClusterSpec,
+    Plan,
+    PlannerError,
+    TrainSpec,
+    evaluate,
+    get_preset,
+    plan,
+)
+from service.planner.layout_text import parse_layout
+from training.layout import LayoutError
+from training.spec import ModelSpec, SpecError
+
+GiB = 1024**3
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code=2)
+
+
+def _model(preset: str | None, layers: int | None, hidden: int | None, heads: int | None, kv_heads: int | None,
+           ffn: int | None, vocab: int | None, seq_len: int | None) -> ModelSpec:
+    if preset is not None:
+        return get_preset(preset)
+    given = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seq_len": seq_len}
+    missing = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is None]
+    if missing:
+        raise PlannerError(f"give --preset NAME or all of --layers --hidden --heads --vocab --seq-len "
+                           f"(missing {' '.join(missing)})")
+    return ModelSpec(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=seq_len,  # type: ignore[arg-type]
+                     kv_heads=kv_heads, ffn=ffn)
+
+
+def _zero_stages(text: str) -> tuple[int, ...]:
+    try:
+        stages = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise PlannerError(f"--zero-stages must be a comma-separated list from 0,1,2,3, got {text!r}") from None
+    return stages
+
+
+def _fmt_bytes(n: float) -> str:
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    if n >= 1024**2:
+        return f"{n / 1024**2:.2f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+def _render(p: Plan, console: Console) -> None:
+    d = p.to_dict()
+    lay = d["layout"]
+    title = f"{'Plan' if p.mode == 'search' else 'Evaluation'}: {d['model']} on {p.num_gpus} x {p.gpu_type}"
+    t = Table(title=title, show_header=True, header_style="bold")
+    t.add_column("layout")
+    t.add_column("value", justify="right")
+    for key in ("tp", "pp", "dp", "cp", "ep", "zero_stage", "micro_batch_size", "num_microbatches", "schedule",
+                "virtual_stages", "sequence_parallel", "recompute"):
+        t.add_row(key, str(lay[key]))
+    console.print(t)
+
+    mem = Table(title="memory per GPU", show_header=False)
+    mem.add_column("part")
+    mem.add_column("bytes", justify="right")
+    for key, value in p.memory_per_gpu_bytes.items():
+        mem.add_row(key, _fmt_bytes(value))
+    mem.add_row("fits", "yes" if p.fits else "[red]no[/red]")
+    pred = Table(title="predicted", show_header=False)
+    pred.add_column("metric")
+    pred.add_column("value", justify="right")
+    pred.add_row("step time", f"{p.step_time_s:.4g} s")
+    pred.add_row("MFU", f"{p.mfu:.1%}")
+    pred.add_row("tokens/s", f"{p.tokens_per_s:,.0f}")
+    pred.add_row("TFLOP/s per GPU", f"{p.tflops_per_gpu:.1f}")
+    pred.add_row("bubble", f"{p.bubble_fraction:.1%}")
+    for key, value in p.comm_bytes_per_step.items():
+        if value:
+            pred.add_row(f"{key} bytes/step/GPU", _fmt_bytes(value))
+    console.print(mem)
+    console.print(pred)
+
+    if p.alternatives:
+        alt = Table(title="alternatives", show_header=True, header_style="bold")
+        alt.add_column("layout")
+        alt.add_column("step s", justify="right")
+        alt.add_column("MFU", justify="right")
+        alt.add_column("why not")
+        for a in p.alternatives:
+            alt.add_row(a["describe"], f"{a['step_time_s']:.4g}", f"{a['mfu']:.1%}", a["why"])
+        console.print(alt)
+    console.print("[bold]reasons[/bold]")
+    for r in p.reasons:
+        console.print(f"  - {r}", highlight=False)
+
+
+def plan_command(
+    preset: Annotated[str | None, typer.Option("--preset", help="model preset, e.g. llama3-70b, demo")] = None,
+    layers: Annotated[int | None, typer.Option("--layers")] = None,
+    hidden: Annotated[int | None, typer.Option("--hidden")] = None,
+    heads: Annotated[int | None, typer.Option("--heads")] = None,
+    kv_heads: Annotated[int | None, typer.Option("--kv-heads")] = None,
+    ffn: Annotated[int | None, typer.Option("--ffn")] = None,
+    vocab: Annotated[int | None, typer.Option("--vocab")] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="defaults to the model's")] = None,
+    global_batch: Annotated[int | None, typer.Option("--global-batch", help="sequences per step")] = None,
+    gpus: Annotated[int | None, typer.Option("--gpus", help="total GPUs")] = None,
+    gpu: Annotated[str, typer.Option("--gpu", help="GPU type, e.g. H100-80GB, cpu-virtual")] = "H100-80GB",
+    gpus_per_node: Annotated[int | None, typer.Option("--gpus-per-node")] = None,
+    nodes_per_rack: Annotated[int, typer.Option("--nodes-per-rack")] = 4,
+    oversubscription: Annotated[float, typer.Option("--oversubscription")] = 1.0,
+    precision: Annotated[str, typer.Option("--precision", help="bf16_fp32_adam | bf16_fp32_master")] = "bf16_fp32_adam",
+    zero_stages: Annotated[str, typer.Option("--zero-stages", help="stages the search may use")] = "0,1,2,3",
+    layout: Annotated[str | None, typer.Option("--layout", help="evaluate e.g. tp=8,pp=4,dp=2,zero=1")] = None,
+    top_k: Annotated[int, typer.Option("--top-k", help="alternatives to show")] = 5,
+    json_out: Annotated[bool, typer.Option("--json", help="print the Plan as JSON")] = False,
+) -> None:
+    """Choose the parallel layout for a model on a cluster (or evaluate one with --layout)."""
+    try:
+        if global_batch is None:
+            raise PlannerError("--global-batch N is required (sequences per optimizer step)")
+        if gpus is None:
+            raise PlannerError("--gpus N is required")
+        model = _model(preset, layers, hidden, heads, kv_heads, ffn, vocab, seq_len)
+        train = TrainSpec(global_batch=global_batch, seq_len=seq_len or model.seq_len, precision=precision)
+        cluster = ClusterSpec(gpu, gpus, gpus_per_node, nodes_per_rack, oversubscription)
+        if layout is not None:
+            result = evaluate(model, train, cluster, parse_layout(layout, num_gpus=gpus, global_batch=global_batch),
+                              compare_with_search=True)
+        else:
+            result = plan(model, train, cluster, zero_stages=_zero_stages(zero_stages), top_k=top_k)
+    except (PlannerError, SpecError, LayoutError) as e:
+        raise _fail(str(e)) from None
+    if json_out:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    _render(result, Console())
+
