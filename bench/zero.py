@@ -95,7 +95,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], zero: bool) -> dict[str,
     m["step_s"] = median(step_times)
     mine = torch.tensor([float(m[k]) for k in FIELDS], dtype=torch.float64, device=device)
     every = torch.empty(world * len(FIELDS), dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(every, mine)
+    dist.all_gather_single(every, mine)
     rows = every.view(world, len(FIELDS)).cpu().tolist()
     return {
         "params": sum(p.numel() for p in model.parameters()),

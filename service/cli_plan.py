@@ -34,24 +34,43 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-def _model(preset: str | None, layers: int | None, hidden: int | None, heads: int | None, kv_heads: int | None,
-           ffn: int | None, vocab: int | None, seq_len: int | None) -> ModelSpec:
+def _model(
+    preset: str | None,
+    layers: int | None,
+    hidden: int | None,
+    heads: int | None,
+    kv_heads: int | None,
+    ffn: int | None,
+    vocab: int | None,
+    seq_len: int | None,
+) -> ModelSpec:
     if preset is not None:
         return get_preset(preset)
     given = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seq_len": seq_len}
     missing = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is None]
     if missing:
-        raise PlannerError(f"give --preset NAME or all of --layers --hidden --heads --vocab --seq-len "
-                           f"(missing {' '.join(missing)})")
-    return ModelSpec(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=seq_len,  # type: ignore[arg-type]
-                     kv_heads=kv_heads, ffn=ffn)
+        raise PlannerError(
+            f"give --preset NAME or all of --layers --hidden --heads --vocab --seq-len "
+            f"(missing {' '.join(missing)})"
+        )
+    return ModelSpec(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        vocab=vocab,
+        seq_len=seq_len,  # type: ignore[arg-type]
+        kv_heads=kv_heads,
+        ffn=ffn,
+    )
 
 
 def _zero_stages(text: str) -> tuple[int, ...]:
     try:
         stages = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise PlannerError(f"--zero-stages must be a comma-separated list from 0,1,2,3, got {text!r}") from None
+        raise PlannerError(
+            f"--zero-stages must be a comma-separated list from 0,1,2,3, got {text!r}"
+        ) from None
     return stages
 
 
@@ -70,8 +89,20 @@ def _render(p: Plan, console: Console) -> None:
     t = Table(title=title, show_header=True, header_style="bold")
     t.add_column("layout")
     t.add_column("value", justify="right")
-    for key in ("tp", "pp", "dp", "cp", "ep", "zero_stage", "micro_batch_size", "num_microbatches", "schedule",
-                "virtual_stages", "sequence_parallel", "recompute"):
+    for key in (
+        "tp",
+        "pp",
+        "dp",
+        "cp",
+        "ep",
+        "zero_stage",
+        "micro_batch_size",
+        "num_microbatches",
+        "schedule",
+        "virtual_stages",
+        "sequence_parallel",
+        "recompute",
+    ):
         t.add_row(key, str(lay[key]))
     console.print(t)
 
@@ -110,7 +141,9 @@ def _render(p: Plan, console: Console) -> None:
 
 
 def plan_command(
-    preset: Annotated[str | None, typer.Option("--preset", help="model preset, e.g. llama3-70b, demo")] = None,
+    preset: Annotated[
+        str | None, typer.Option("--preset", help="model preset, e.g. llama3-70b, demo")
+    ] = None,
     layers: Annotated[int | None, typer.Option("--layers")] = None,
     hidden: Annotated[int | None, typer.Option("--hidden")] = None,
     heads: Annotated[int | None, typer.Option("--heads")] = None,
@@ -124,9 +157,13 @@ def plan_command(
     gpus_per_node: Annotated[int | None, typer.Option("--gpus-per-node")] = None,
     nodes_per_rack: Annotated[int, typer.Option("--nodes-per-rack")] = 4,
     oversubscription: Annotated[float, typer.Option("--oversubscription")] = 1.0,
-    precision: Annotated[str, typer.Option("--precision", help="bf16_fp32_adam | bf16_fp32_master")] = "bf16_fp32_adam",
+    precision: Annotated[
+        str, typer.Option("--precision", help="bf16_fp32_adam | bf16_fp32_master")
+    ] = "bf16_fp32_adam",
     zero_stages: Annotated[str, typer.Option("--zero-stages", help="stages the search may use")] = "0,1,2,3",
-    layout: Annotated[str | None, typer.Option("--layout", help="evaluate e.g. tp=8,pp=4,dp=2,zero=1")] = None,
+    layout: Annotated[
+        str | None, typer.Option("--layout", help="evaluate e.g. tp=8,pp=4,dp=2,zero=1")
+    ] = None,
     top_k: Annotated[int, typer.Option("--top-k", help="alternatives to show")] = 5,
     json_out: Annotated[bool, typer.Option("--json", help="print the Plan as JSON")] = False,
 ) -> None:
@@ -140,8 +177,13 @@ def plan_command(
         train = TrainSpec(global_batch=global_batch, seq_len=seq_len or model.seq_len, precision=precision)
         cluster = ClusterSpec(gpu, gpus, gpus_per_node, nodes_per_rack, oversubscription)
         if layout is not None:
-            result = evaluate(model, train, cluster, parse_layout(layout, num_gpus=gpus, global_batch=global_batch),
-                              compare_with_search=True)
+            result = evaluate(
+                model,
+                train,
+                cluster,
+                parse_layout(layout, num_gpus=gpus, global_batch=global_batch),
+                compare_with_search=True,
+            )
         else:
             result = plan(model, train, cluster, zero_stages=_zero_stages(zero_stages), top_k=top_k)
     except (PlannerError, SpecError, LayoutError) as e:
@@ -150,4 +192,3 @@ def plan_command(
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return
     _render(result, Console())
-

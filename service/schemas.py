@@ -40,7 +40,7 @@ JobStateName = Literal["pending", "queued", "starting", "running", "recovering",
 class _Strict(BaseModel):
     """Unknown fields are errors; NaN/inf are not numbers a job can use."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 # ---- model -------------------------------------------------------------------------------------
@@ -194,7 +194,7 @@ FaultKind = Literal["kill_rank", "kill_node", "hang_rank", "slow_rank", "bitflip
 class FaultSpec(BaseModel):
     """A fault to inject (acted on only when the service has fault injection enabled)."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     kind: FaultKind = Field(description="What to break.")
     at_step: int = Field(ge=0, le=_MAX_COUNT, description="Step at which the fault fires.")

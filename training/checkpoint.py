@@ -39,6 +39,7 @@ train loop calls ``wait_pending()`` before it exits.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -131,7 +132,7 @@ class _PendingSave:
 
 
 _pending: _PendingSave | None = None  # at most one async save in flight per process
-_async_groups: dict[tuple[int, ...], Any] = {}
+_async_groups: dict[tuple[int, ...], tuple[Any, Any]] = {}  # ranks -> (WORLD it was made in, group)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,17 +184,18 @@ def _dcp_call() -> Iterator[None]:
 
 
 def _run_on_rank0(fn: Any, pg: Any, error: type[Exception] = CheckpointError) -> Any:
-    """Run fn on rank 0 of the group; every rank returns its result or raises its error together."""
+    """Run fn on rank 0 of the group; every rank returns its result or raises `error` together."""
     outcome: tuple[bool, Any] = (True, None)
+    failure: Exception | None = None
     if _rank(pg) == 0:
         try:
             outcome = (True, fn())
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-            log.exception("checkpoint operation failed on rank 0")
-            outcome = (False, f"{type(e).__name__}: {e}")
+            failure = e
+            outcome = (False, str(e) if isinstance(e, error) else f"{type(e).__name__}: {e}")
     ok, value = _broadcast_from_0(outcome, pg)
     if not ok:
-        raise error(value)
+        raise error(value) from failure
     return value
 
 
@@ -326,13 +328,14 @@ def _rng_file(ckpt: Path, rank: int) -> Path:
 # ----------------------------------------------------------------------------------------------
 def _async_group(pg: Any) -> Any:
     """A gloo group over pg's ranks for the background writer, so it never races the training
-    collectives on pg (created once per rank set, by those ranks only)."""
+    collectives on pg (created once per rank set and process-group lifetime, by those ranks only)."""
     ranks = tuple(dist.get_process_group_ranks(pg or dist.group.WORLD))
-    if ranks not in _async_groups:
-        _async_groups[ranks] = dist.new_group(
-            ranks=list(ranks), backend="gloo", use_local_synchronization=True
-        )
-    return _async_groups[ranks]
+    world = dist.group.WORLD
+    cached = _async_groups.get(ranks)
+    if cached is None or cached[0] is not world:  # none yet, or torch.distributed was re-initialised
+        group = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True)
+        cached = _async_groups[ranks] = (world, group)
+    return cached[1]
 
 
 def save_checkpoint(
@@ -375,14 +378,14 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         (tmp / RNG_DIR).mkdir(parents=True)
 
+    state = {"model": model_state(model_parts)}  # before touching the disk: bad arguments raise here
+    optim_state = optimizer_state(optimizer_pairs(model_parts, optimizer))
+    if optim_state:
+        state["optim"] = optim_state
     _run_on_rank0(prepare, process_group)
     _write_durable(_rng_file(tmp, _global_rank()), _torch_bytes(rng_state()))
     if _rank(process_group) == 0:
         _write_durable(tmp / META, meta)
-    state = {"model": model_state(model_parts)}
-    optim_state = optimizer_state(optimizer_pairs(model_parts, optimizer))
-    if optim_state:
-        state["optim"] = optim_state
     try:
         if async_save:
             group = _async_group(process_group) if _distributed() else None
@@ -416,8 +419,6 @@ def wait_pending() -> CheckpointInfo | None:
 
 
 def _torch_bytes(obj: Any) -> bytes:
-    import io
-
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()

@@ -27,7 +27,8 @@ from training.parallel.ddp import local_tensor
 log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
-_CHUNK = 1 << 22  # words per chunk of the position-weighted sum: bounds the int64 temporary to 32 MiB
+_ROW = 1024  # words per row of the position-weighted sum
+_COL_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd 64-bit constant (golden ratio), as signed int64
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -57,33 +58,50 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_OF_SIZE[t.element_size()]).reshape(-1)
 
 
+def _tensor_sums(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, P) of one tensor's words, as int64 device scalars (all arithmetic wraps mod 2^64).
+
+    The words are viewed as rows of _ROW (the tail is one short last row): S is the plain sum;
+    P = sum_r (r+1) rowsum_r + M * sum_c (c+1) colsum_c weights each word by its row and by its
+    column, so moving a value to another row or column changes P. Two integer reductions over the
+    data and no full-size temporary.
+    """
+    n_main = w.numel() // _ROW * _ROW
+    main, tail = w[:n_main].view(-1, _ROW), w[n_main:]
+    rows = main.sum(dim=1, dtype=torch.int64)  # (R,)
+    cols = main.sum(dim=0, dtype=torch.int64)  # (_ROW,)
+    tail64 = tail.to(torch.int64)
+    tail_sum = tail64.sum()
+    s = rows.sum() + tail_sum
+    row_w = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=w.device)
+    col_w = torch.arange(1, _ROW + 1, dtype=torch.int64, device=w.device)
+    by_row = (rows * row_w).sum() + (rows.numel() + 1) * tail_sum
+    by_col = (cols * col_w).sum() + (tail64 * col_w[: tail.numel()]).sum()
+    return s, by_row + _COL_MIX * by_col
+
+
 def param_fingerprint(model_parts: Sequence[nn.Module]) -> int:
     """An exact 128-bit fingerprint of this rank's local parameters (every part, in parameter order).
 
-    For tensor t with words w_j (its elements' bits read as signed integers of the same width):
-      S_t = sum_j w_j mod 2^64,   W_t = sum_j (j+1) w_j mod 2^64   (exact integer sums on device)
-      F   = (sum_t (2t+1) S_t mod 2^64) << 64  |  (sum_t (2t+1) W_t mod 2^64)
+    For tensor t (its elements' bits read as signed integers of the same width, "words"):
+      F = (sum_t (2t+1) S_t mod 2^64) << 64  |  (sum_t (2t+1) P_t mod 2^64)
+    with S_t the exact sum of the words and P_t a row/column position-weighted sum (`_tensor_sums`).
     Any single bit flip changes F: flipping bit k of a word changes it by +-2^k (k < 64), so S_t
     changes by d = +-2^k != 0 mod 2^64, and (2t+1) d != 0 mod 2^64 because 2t+1 is odd (a unit mod
-    2^64). W_t adds position sensitivity (swapped elements change it). The cost is two integer
-    reductions over the parameters, and one device-to-host copy at the end.
+    2^64). P_t adds position sensitivity (moved or swapped elements change it). The cost is about
+    two integer reductions over the parameters and one device-to-host copy at the end.
     """
     sums: list[torch.Tensor] = []
     weighted: list[torch.Tensor] = []
     for part in model_parts:
         for p in part.parameters():
-            w = _words(p)
-            sums.append(w.sum(dtype=torch.int64))
-            acc = torch.zeros((), dtype=torch.int64, device=w.device)
-            for start in range(0, w.numel(), _CHUNK):
-                chunk = w[start : start + _CHUNK].to(torch.int64)
-                pos = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=w.device)
-                acc += (chunk * pos).sum()
-            weighted.append(acc)
+            s, pw = _tensor_sums(_words(p))
+            sums.append(s)
+            weighted.append(pw)
     if not sums:
         return 0
-    s_vals = torch.stack([s.cpu() for s in sums]).tolist()
-    w_vals = torch.stack([w.cpu() for w in weighted]).tolist()
+    s_vals = torch.stack(sums).cpu().tolist()
+    w_vals = torch.stack(weighted).cpu().tolist()
     hi = sum((2 * t + 1) * (v & _MASK64) for t, v in enumerate(s_vals)) & _MASK64
     lo = sum((2 * t + 1) * (v & _MASK64) for t, v in enumerate(w_vals)) & _MASK64
     return (hi << 64) | lo
@@ -141,7 +159,7 @@ def vote_fingerprints(fingerprint: int, dp_group: dist.ProcessGroup | None) -> F
     words = [(fingerprint >> (32 * i)) & 0xFFFFFFFF for i in range(4)]  # 4 x 32 bits fit int64 exactly
     mine = torch.tensor(words, dtype=torch.int64, device=_collective_device(group))
     gathered = torch.empty(len(ranks) * 4, dtype=torch.int64, device=mine.device)
-    dist.all_gather_into_tensor(gathered, mine, group=group)
+    dist.all_gather_single(gathered, mine, group=group)
     rows = gathered.view(len(ranks), 4).cpu().tolist()
     values = [sum(int(w) << (32 * i) for i, w in enumerate(row)) for row in rows]
     return vote(values, ranks)

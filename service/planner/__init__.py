@@ -5,7 +5,7 @@ milliseconds. The cost model is specified by ../shared/seed/parallelism-lecture.
 with its sources and calibration in docs/planner.md.
 
     from service.planner import plan, get_preset, ClusterSpec, TrainSpec
-    p = plan(get_preset("llama3-70b"), TrainSpec(global_batch=512, seq_len=8192), ClusterSpec("H100-80GB", 512))
+    p = plan(get_preset("llama3-70b"), TrainSpec(global_batch=512, seq_len=8192), ClusterSpec("H100", 512))
     p.layout, p.to_dict()
 """
 

@@ -19,7 +19,6 @@ import math
 from dataclasses import dataclass
 
 from service.planner.formulas import (
-    V_SHAPED,
     ParamCounts,
     activation_bytes_per_layer,
     bubble_fraction,
@@ -36,7 +35,6 @@ from service.planner.hardware import GpuType
 from service.planner.specs import ClusterSpec, TrainSpec
 from training.spec import ModelSpec
 
-
 # Communication overlapped with compute is not free: collective kernels occupy SMs and HBM bandwidth
 # (NCCL runs 16-32 channels, i.e. SMs, of 132 on an H100). Each overlapped second costs this much
 # compute time (calibration, docs/planner.md).
@@ -45,7 +43,9 @@ OVERLAP_SLOWDOWN = 0.15
 
 @dataclass(frozen=True, slots=True)
 class Tier:
-    name: str  # "intra-node" (NVLink), "inter-node" (InfiniBand), "inter-rack" (InfiniBand / oversubscription)
+    name: (
+        str  # "intra-node" (NVLink), "inter-node" (InfiniBand), "inter-rack" (InfiniBand / oversubscription)
+    )
     bw: float
     latency: float
 
@@ -68,8 +68,9 @@ class Env:
         self.flops_per_step = flops_per_token(model, self.s) * self.g * self.s
         # Hoisted per-token FLOPs for Micro (forward + backward, and what recomputation adds).
         self.layer_flops = 6.0 * self.counts.matmul_active_per_layer + 12.0 * model.hidden * self.s
-        self.recompute_flops = {rc: recompute_flops_per_token_layer(model, self.s, rc)
-                                for rc in ("none", "selective", "full")}
+        self.recompute_flops = {
+            rc: recompute_flops_per_token_layer(model, self.s, rc) for rc in ("none", "selective", "full")
+        }
         self.is_moe = model.is_moe
         self.reserve = float(gpu.reserve_bytes)
         self.capacity = float(gpu.hbm_bytes)
@@ -98,8 +99,10 @@ def _collective(kind: str, nbytes: float, n: int, tier: Tier, count: int) -> tup
 class Family:
     """One (tp, cp, pp, dp, ep) split of the cluster."""
 
-    __slots__ = ("env", "tp", "cp", "pp", "dp", "ep", "d", "d_e", "tp_tier", "cp_tier", "dp_tier", "pp_tier",
-                 "ep_tier", "p_layer_dense", "p_layer_expert", "emb", "head")
+    # fmt: off
+    __slots__ = ("env", "tp", "cp", "pp", "dp", "ep", "d", "d_e", "tp_tier", "cp_tier", "dp_tier",
+        "pp_tier", "ep_tier", "p_layer_dense", "p_layer_expert", "emb", "head")
+    # fmt: on
 
     def __init__(self, env: Env, tp: int, cp: int, pp: int, dp: int, ep: int) -> None:
         self.env, self.tp, self.cp, self.pp, self.dp, self.ep = env, tp, cp, pp, dp, ep
@@ -125,8 +128,10 @@ class Family:
 class Stage:
     """The pipeline rank layout of a family: how many layers the busiest rank holds, and its model state."""
 
+    # fmt: off
     __slots__ = ("fam", "v", "vshape", "layers", "same_rank", "state_first", "state_last", "buffers",
-                 "dp_once", "dp_per_mb", "dp_bytes_once", "dp_bytes_per_mb", "opt")
+        "dp_once", "dp_per_mb", "dp_bytes_once", "dp_bytes_per_mb", "opt")
+    # fmt: on
 
     def __init__(self, fam: Family, v: int, vshape: bool) -> None:
         env = fam.env
@@ -170,8 +175,13 @@ class Stage:
             # ZeRO-0: all-reduce once; ZeRO-1: reduce-scatter + all-gather once (same bytes, lecture 18:47);
             # ZeRO-2: reduce-scatter every micro-batch (grads stay sharded) + all-gather once;
             # ZeRO-3: all-gather forward and backward + reduce-scatter, every micro-batch (3x params).
-            for z, (o, p) in enumerate(((ar, None), ((rs[0] + ag[0], rs[1] + ag[1]), None),
-                                        (ag, rs), (None, (2 * ag[0] + rs[0], 2 * ag[1] + rs[1])))):
+            per_zero = (  # (once per step, every micro-batch) for ZeRO 0, 1, 2, 3
+                (ar, None),
+                ((rs[0] + ag[0], rs[1] + ag[1]), None),
+                (ag, rs),
+                (None, (2 * ag[0] + rs[0], 2 * ag[1] + rs[1])),
+            )
+            for z, (o, p) in enumerate(per_zero):
                 if o is not None:
                     bytes_once[z] += o[0]
                     once[z] += o[1]
@@ -188,9 +198,11 @@ class Stage:
 class Micro:
     """Per-layer activation bytes and per-micro-batch times for one (micro-batch size, sp, recompute)."""
 
-    __slots__ = ("mbs", "sp", "recompute", "act_layer", "act_work", "act_emb", "logits", "t_compute", "t_compute_plain",
-                 "t_head", "t_tp", "t_cp", "t_ep", "t_layer", "t_p2p", "tp_bytes", "cp_bytes", "ep_bytes",
-                 "p2p_bytes")
+    # fmt: off
+    __slots__ = ("mbs", "sp", "recompute", "act_layer", "act_work", "act_emb", "logits", "t_compute",
+        "t_compute_plain", "t_head", "t_tp", "t_cp", "t_ep", "t_layer", "t_p2p", "tp_bytes", "cp_bytes",
+        "ep_bytes", "p2p_bytes")
+    # fmt: on
 
     def __init__(self, fam: Family, mbs: int, sp: bool, recompute: str) -> None:
         env, m = fam.env, fam.env.model
@@ -201,8 +213,11 @@ class Micro:
         tokens = mbs * s_loc
         self.act_layer = activation_bytes_per_layer(s_loc, mbs, h, m.heads, tp, sp, recompute, s)
         # Full recomputation re-materialises one layer at a time during backward.
-        self.act_work = (activation_bytes_per_layer(s_loc, mbs, h, m.heads, tp, sp, "selective")
-                         if recompute == "full" else 0.0)
+        self.act_work = (
+            activation_bytes_per_layer(s_loc, mbs, h, m.heads, tp, sp, "selective")
+            if recompute == "full"
+            else 0.0
+        )
         self.act_emb = 2.0 * tokens * h / (tp if sp else 1)  # embedding output (bf16)
         self.logits = 6.0 * tokens * m.vocab / tp  # bf16 logits + fp32 log-softmax for the loss
         rate = env.flops_rate
@@ -213,8 +228,9 @@ class Micro:
         # TP: forward and backward, plus the recomputed forward under full recomputation.
         passes = 3 if recompute == "full" else 2
         self.tp_bytes = passes * tp_bytes_per_layer(mbs, s_loc, h, tp) if tp > 1 else 0.0
-        self.t_tp = (self.tp_bytes / fam.tp_tier.bw + passes * 4 * hops(tp) * fam.tp_tier.latency
-                     if tp > 1 else 0.0)
+        self.t_tp = (
+            self.tp_bytes / fam.tp_tier.bw + passes * 4 * hops(tp) * fam.tp_tier.latency if tp > 1 else 0.0
+        )
         # CP ring: each rank passes its K and V blocks around the ring forward; K, V and their gradients
         # backward (Liu et al. 2023), overlapped with the attention blocks it computes meanwhile.
         if cp > 1:

@@ -51,7 +51,12 @@ def param_counts(model: ModelSpec) -> ParamCounts:
     mats = 3 if model.activation == "swiglu" else 2  # SwiGLU has gate, up, down; GeLU MLP has up, down
     if model.is_moe:
         one_expert = mats * h * model.expert_ffn_dim
-        mlp, experts, active, router = 0, model.num_experts * one_expert, model.top_k * one_expert, h * model.num_experts
+        mlp, experts, active, router = (
+            0,
+            model.num_experts * one_expert,
+            model.top_k * one_expert,
+            h * model.num_experts,
+        )
     else:
         mlp, experts, active, router = mats * h * f, 0, 0, 0
     embed = model.vocab * h
@@ -85,8 +90,9 @@ def recompute_flops_per_token_layer(model: ModelSpec, seq_len: int, recompute: s
     return 0.0
 
 
-def model_state_bytes(params: float, zero_stage: int, dp: int, bytes_per_param: tuple[int, int, int]
-                      ) -> tuple[float, float, float]:
+def model_state_bytes(
+    params: float, zero_stage: int, dp: int, bytes_per_param: tuple[int, int, int]
+) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per GPU for `params` parameters on this GPU before DP sharding.
 
     Rajbhandari et al. 2020 (ZeRO), Figure 1: stage 1 shards the optimizer state, stage 2 also the
@@ -99,8 +105,16 @@ def model_state_bytes(params: float, zero_stage: int, dp: int, bytes_per_param: 
     return p, g, o
 
 
-def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                               recompute: str = "none", s_kv: int | None = None) -> float:
+def activation_bytes_per_layer(
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int = 1,
+    sp: bool = False,
+    recompute: str = "none",
+    s_kv: int | None = None,
+) -> float:
     """Activation bytes one transformer layer keeps for backward, for one micro-batch.
 
     Korthikanti et al. 2022, Table 2 (16-bit activations): s*b*h*(34 + 5*a*s/h) without parallelism,

@@ -41,36 +41,33 @@ class GpuType:
 _RESERVE_FIXED = 2 * GiB
 _RESERVE_FRACTION = 0.08
 
+
+def _datacenter(
+    name: str, peak: float, hbm: int, hbm_bw: float, nvlink: float, inter: float, desc: str
+) -> GpuType:
+    """An 8-GPU NVSwitch node with one NIC per GPU; same calibration and latencies for every generation."""
+    return GpuType(
+        name=name, peak_flops=peak, hbm_bytes=hbm, hbm_bw=hbm_bw, nvlink_bw=nvlink, internode_bw=inter,
+        gpus_per_node=8, compute_efficiency=0.55, intra_latency_s=5e-6, inter_latency_s=10e-6,
+        reserve_fixed_bytes=_RESERVE_FIXED, reserve_fraction=_RESERVE_FRACTION, description=desc,
+    )  # fmt: skip
+
+
 GPU_CATALOG: dict[str, GpuType] = {
     # NVIDIA A100 datasheet (SXM4): 312 TFLOP/s bf16 dense, 40 GB HBM2 at 1,555 GB/s, NVLink3
     # 600 GB/s total (300 GB/s per direction); DGX A100: 8 GPUs, HDR 200 Gb/s (25 GB/s) per GPU.
-    "A100-40GB": GpuType(
-        "A100-40GB", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9, 8, 0.55, 5e-6, 10e-6,
-        _RESERVE_FIXED, _RESERVE_FRACTION, "NVIDIA A100 SXM4 40GB (DGX A100, HDR InfiniBand)",
-    ),
+    "A100-40GB": _datacenter("A100-40GB", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9, "NVIDIA A100 SXM4 40GB"),
     # NVIDIA A100 80GB datasheet (SXM4): HBM2e at 2,039 GB/s; otherwise as above.
-    "A100-80GB": GpuType(
-        "A100-80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, 8, 0.55, 5e-6, 10e-6,
-        _RESERVE_FIXED, _RESERVE_FRACTION, "NVIDIA A100 SXM4 80GB (DGX A100, HDR InfiniBand)",
-    ),
-    # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s, NVLink4
-    # 900 GB/s total (450 GB/s per direction); DGX H100: 8 GPUs, ConnectX-7 NDR 400 Gb/s (50 GB/s) per GPU.
-    "H100-80GB": GpuType(
-        "H100-80GB", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8, 0.55, 5e-6, 10e-6,
-        _RESERVE_FIXED, _RESERVE_FRACTION, "NVIDIA H100 SXM5 80GB (DGX H100, NDR InfiniBand)",
-    ),
-    # NVIDIA H200 datasheet (SXM): same compute as H100, 141 GB HBM3e at 4.8 TB/s, NVLink4 900 GB/s.
-    "H200-141GB": GpuType(
-        "H200-141GB", 989e12, 141 * GiB, 4.8e12, 450e9, 50e9, 8, 0.55, 5e-6, 10e-6,
-        _RESERVE_FIXED, _RESERVE_FRACTION, "NVIDIA H200 SXM 141GB (HGX H200, NDR InfiniBand)",
-    ),
-    # NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 dense-equivalent for 8 GPUs -> 2.25 PFLOP/s bf16 dense
-    # per GPU, 1,440 GB HBM3e total (180 GB per GPU) at 8 TB/s, NVLink5 1.8 TB/s total (900 GB/s per
-    # direction), ConnectX-7 400 Gb/s (50 GB/s) per GPU.
-    "B200": GpuType(
-        "B200", 2.25e15, 180 * GiB, 8.0e12, 900e9, 50e9, 8, 0.55, 5e-6, 10e-6,
-        _RESERVE_FIXED, _RESERVE_FRACTION, "NVIDIA B200 (DGX B200, NDR InfiniBand)",
-    ),
+    "A100-80GB": _datacenter("A100-80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, "NVIDIA A100 SXM4 80GB"),
+    # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s, NVLink4 900 GB/s
+    # total (450 GB/s per direction); DGX H100: 8 GPUs, ConnectX-7 NDR 400 Gb/s (50 GB/s) per GPU.
+    "H100-80GB": _datacenter("H100-80GB", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, "NVIDIA H100 SXM5 80GB"),
+    # NVIDIA H200 datasheet (SXM): H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink4 900 GB/s.
+    "H200-141GB": _datacenter("H200-141GB", 989e12, 141 * GiB, 4.8e12, 450e9, 50e9, "NVIDIA H200 SXM 141GB"),
+    # NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 dense for 8 GPUs -> 2.25 PFLOP/s bf16 dense per GPU,
+    # 1,440 GB HBM3e (180 GB per GPU) at 8 TB/s, NVLink5 1.8 TB/s total (900 GB/s per direction),
+    # ConnectX-7 400 Gb/s (50 GB/s) per GPU.
+    "B200": _datacenter("B200", 2.25e15, 180 * GiB, 8.0e12, 900e9, 50e9, "NVIDIA B200 (DGX B200)"),
     # The embedded CPU cluster: each "GPU" is one gloo process on a shared CPU, each "node" a group of
     # them. Nothing here is a hardware limit; the numbers make the virtual cluster behave like a real
     # one at toy scale (docs/planner.md, "cpu-virtual"):
@@ -82,9 +79,20 @@ GPU_CATALOG: dict[str, GpuType] = {
     #    16 bytes/param) needs tensor parallel to fit without recomputation.
     # With these the planner picks tp=2, pp=2, dp=2 for the demo on 8 GPUs (4 per node) by itself.
     "cpu-virtual": GpuType(
-        "cpu-virtual", 2e10, 3200 * 1024, 20e9, 2e9, 2e7, 4, 0.5, 50e-6, 200e-6,
-        0, 0.0, "embedded CPU cluster (gloo processes; memory is a planning budget, see docs/planner.md)",
-    ),
+        name="cpu-virtual",
+        peak_flops=2e10,
+        hbm_bytes=3200 * 1024,
+        hbm_bw=20e9,
+        nvlink_bw=2e9,
+        internode_bw=2e7,
+        gpus_per_node=4,
+        compute_efficiency=0.5,
+        intra_latency_s=50e-6,
+        inter_latency_s=200e-6,
+        reserve_fixed_bytes=0,
+        reserve_fraction=0.0,
+        description="embedded CPU cluster (gloo processes; memory is a planning budget, see docs/planner.md)",
+    ),  # fmt: skip
 }
 
 _ALIASES: dict[str, str] = {

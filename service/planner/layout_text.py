@@ -13,8 +13,15 @@ from typing import Any
 from service.planner.errors import PlannerError
 from training.layout import Layout, LayoutError
 
-_ALIASES = {"zero": "zero_stage", "mbs": "micro_batch_size", "m": "num_microbatches", "v": "virtual_stages",
-            "sp": "sequence_parallel", "schedule": "schedule", "recompute": "recompute"}
+_ALIASES = {
+    "zero": "zero_stage",
+    "mbs": "micro_batch_size",
+    "m": "num_microbatches",
+    "v": "virtual_stages",
+    "sp": "sequence_parallel",
+    "schedule": "schedule",
+    "recompute": "recompute",
+}
 _INTS = ("tp", "pp", "dp", "cp", "ep", "zero_stage", "micro_batch_size", "num_microbatches", "virtual_stages")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -29,7 +36,9 @@ def parse_layout(text: str, *, num_gpus: int | None = None, global_batch: int | 
         key = _ALIASES.get(key.strip(), key.strip())
         value = value.strip()
         if key not in known:
-            raise PlannerError(f"layout: unknown field {key!r}; allowed: {', '.join(sorted(known | set(_ALIASES)))}")
+            raise PlannerError(
+                f"layout: unknown field {key!r}; allowed: {', '.join(sorted(known | set(_ALIASES)))}"
+            )
         if key in _INTS:
             try:
                 fields[key] = int(value)
@@ -46,11 +55,21 @@ def parse_layout(text: str, *, num_gpus: int | None = None, global_batch: int | 
         fields["dp"] = num_gpus // (tp * pp * cp)
     mbs = fields.setdefault("micro_batch_size", 1)
     dp = fields.get("dp", 1)
-    if "num_microbatches" not in fields and global_batch is not None and dp * mbs > 0 and global_batch % (dp * mbs) == 0:
+    if (
+        "num_microbatches" not in fields
+        and global_batch is not None
+        and dp * mbs > 0
+        and global_batch % (dp * mbs) == 0
+    ):
         fields["num_microbatches"] = global_batch // (dp * mbs)
     if pp > 1:
         fields.setdefault("schedule", "1f1b")
-    if fields.get("schedule") in ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"):
+    if fields.get("schedule") in (
+        "interleaved_1f1b",
+        "interleaved_zero_bubble",
+        "zbv_zero_bubble",
+        "dualpipev",
+    ):
         fields.setdefault("virtual_stages", 2)
     try:
         return Layout(**fields)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from training.spec import ModelSpec
 from service.planner.errors import PlannerError
+from training.spec import ModelSpec
 
 PRESETS: dict[str, ModelSpec] = {
     # CPU smoke model: trains in seconds; heads and layers divisible by 2 and 4 so TP2/PP2 work.
@@ -13,40 +13,95 @@ PRESETS: dict[str, ModelSpec] = {
     "demo": ModelSpec(layers=4, hidden=128, heads=8, kv_heads=2, vocab=512, seq_len=64, name="demo"),
     # Radford et al. 2019 (GPT-2), 124M and 350M: learned positions aside, same matmul shapes.
     "gpt2-small": ModelSpec(
-        layers=12, hidden=768, heads=12, vocab=50257, seq_len=1024, activation="gelu",
-        tied_embeddings=True, name="gpt2-small",
+        layers=12,
+        hidden=768,
+        heads=12,
+        vocab=50257,
+        seq_len=1024,
+        activation="gelu",
+        tied_embeddings=True,
+        name="gpt2-small",
     ),
     "gpt2-medium": ModelSpec(
-        layers=24, hidden=1024, heads=16, vocab=50257, seq_len=1024, activation="gelu",
-        tied_embeddings=True, name="gpt2-medium",
+        layers=24,
+        hidden=1024,
+        heads=16,
+        vocab=50257,
+        seq_len=1024,
+        activation="gelu",
+        tied_embeddings=True,
+        name="gpt2-medium",
     ),
     # Llama 3 Herd of Models (Meta 2024), Table 3.
     "llama3-8b": ModelSpec(
-        layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq_len=8192,
-        rope_theta=500000.0, name="llama3-8b",
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        ffn=14336,
+        vocab=128256,
+        seq_len=8192,
+        rope_theta=500000.0,
+        name="llama3-8b",
     ),
     "llama3-70b": ModelSpec(
-        layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq_len=8192,
-        rope_theta=500000.0, name="llama3-70b",
+        layers=80,
+        hidden=8192,
+        heads=64,
+        kv_heads=8,
+        ffn=28672,
+        vocab=128256,
+        seq_len=8192,
+        rope_theta=500000.0,
+        name="llama3-70b",
     ),
     "llama3-405b": ModelSpec(
-        layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256, seq_len=8192,
-        rope_theta=500000.0, name="llama3-405b",
+        layers=126,
+        hidden=16384,
+        heads=128,
+        kv_heads=8,
+        ffn=53248,
+        vocab=128256,
+        seq_len=8192,
+        rope_theta=500000.0,
+        name="llama3-405b",
     ),
     # Brown et al. 2020 (GPT-3), Table 2.1: 96 layers, d_model 12288, 96 heads, 2048 context.
     "gpt3-175b": ModelSpec(
-        layers=96, hidden=12288, heads=96, vocab=50257, seq_len=2048, activation="gelu", name="gpt3-175b",
+        layers=96,
+        hidden=12288,
+        heads=96,
+        vocab=50257,
+        seq_len=2048,
+        activation="gelu",
+        name="gpt3-175b",
     ),
     # CS336 assignment 2, communication_accounting: d_model 16384, d_ff 53248, 126 blocks. The course
     # problem counts only the two FFN matmuls; this preset is the full transformer of that shape.
     "xxl": ModelSpec(
-        layers=126, hidden=16384, heads=128, ffn=53248, vocab=50257, seq_len=2048, activation="gelu",
+        layers=126,
+        hidden=16384,
+        heads=128,
+        ffn=53248,
+        vocab=50257,
+        seq_len=2048,
+        activation="gelu",
         name="xxl",
     ),
     # Mixtral 8x7B (Jiang et al. 2024): 32 layers, 4096 wide, 8 experts, top-2, expert ffn 14336.
     "mixtral-8x7b": ModelSpec(
-        layers=32, hidden=4096, heads=32, kv_heads=8, vocab=32000, seq_len=4096, num_experts=8, top_k=2,
-        expert_ffn=14336, ffn=14336, rope_theta=1e6, name="mixtral-8x7b",
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        vocab=32000,
+        seq_len=4096,
+        num_experts=8,
+        top_k=2,
+        expert_ffn=14336,
+        ffn=14336,
+        rope_theta=1e6,
+        name="mixtral-8x7b",
     ),
 }
 

@@ -54,10 +54,18 @@ def build_detail(stage: Stage, micro: Micro, combo: Combo, z: int, layout: Layou
     m, layers = combo.m, stage.layers
     first = sum(stage.state_first[z]) + combo.act_first
     last = sum(stage.state_last[z]) + combo.act_last
-    state, act = (stage.state_first[z], combo.act_first) if first >= last else (stage.state_last[z], combo.act_last)
+    state, act = (
+        (stage.state_first[z], combo.act_first) if first >= last else (stage.state_last[z], combo.act_last)
+    )
     memory = {
-        "params": state[0], "grads": state[1], "optimizer": state[2], "activations": act,
-        "buffers": stage.buffers[z], "reserve": env.reserve, "total": mem_total, "capacity": env.capacity,
+        "params": state[0],
+        "grads": state[1],
+        "optimizer": state[2],
+        "activations": act,
+        "buffers": stage.buffers[z],
+        "reserve": env.reserve,
+        "total": mem_total,
+        "capacity": env.capacity,
     }
     recompute_t = micro.t_compute - micro.t_compute_plain
     time_s = {
@@ -123,13 +131,26 @@ class Plan:
         n = env.n
         step = d.step_time_s
         return cls(
-            layout=d.layout, mode=mode, model_name=env.model.name, gpu_type=env.gpu.name, num_gpus=n,
-            global_batch=env.g, seq_len=env.s, precision=env.train.precision,
-            params_total=total_params(env.model), flops_per_step=env.flops_per_step, step_time_s=step,
+            layout=d.layout,
+            mode=mode,
+            model_name=env.model.name,
+            gpu_type=env.gpu.name,
+            num_gpus=n,
+            global_batch=env.g,
+            seq_len=env.s,
+            precision=env.train.precision,
+            params_total=total_params(env.model),
+            flops_per_step=env.flops_per_step,
+            step_time_s=step,
             mfu=env.flops_per_step / (step * env.gpu.peak_flops * n),
-            tokens_per_s=env.g * env.s / step, tflops_per_gpu=env.flops_per_step / (step * n) / 1e12,
-            bubble_fraction=d.bubble, memory_per_gpu_bytes=dict(d.memory), comm_bytes_per_step=dict(d.comm),
-            time_breakdown_s=dict(d.time_s), link_tiers=dict(d.tiers), fits=d.fits,
+            tokens_per_s=env.g * env.s / step,
+            tflops_per_gpu=env.flops_per_step / (step * n) / 1e12,
+            bubble_fraction=d.bubble,
+            memory_per_gpu_bytes=dict(d.memory),
+            comm_bytes_per_step=dict(d.comm),
+            time_breakdown_s=dict(d.time_s),
+            link_tiers=dict(d.tiers),
+            fits=d.fits,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -138,19 +159,32 @@ class Plan:
             "mode": self.mode,
             "model": self.model_name,
             "cluster": {"gpu_type": self.gpu_type, "num_gpus": self.num_gpus},
-            "train": {"global_batch": self.global_batch, "seq_len": self.seq_len, "precision": self.precision},
+            "train": {
+                "global_batch": self.global_batch,
+                "seq_len": self.seq_len,
+                "precision": self.precision,
+            },
             "params_total": self.params_total,
             "layout": {
-                "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep,
-                "zero_stage": lay.zero_stage, "micro_batch_size": lay.micro_batch_size,
-                "num_microbatches": lay.num_microbatches, "schedule": lay.schedule,
-                "virtual_stages": lay.virtual_stages, "sequence_parallel": lay.sequence_parallel,
+                "tp": lay.tp,
+                "pp": lay.pp,
+                "dp": lay.dp,
+                "cp": lay.cp,
+                "ep": lay.ep,
+                "zero_stage": lay.zero_stage,
+                "micro_batch_size": lay.micro_batch_size,
+                "num_microbatches": lay.num_microbatches,
+                "schedule": lay.schedule,
+                "virtual_stages": lay.virtual_stages,
+                "sequence_parallel": lay.sequence_parallel,
                 "recompute": lay.recompute,
             },
             "memory_per_gpu_bytes": {k: int(round(v)) for k, v in self.memory_per_gpu_bytes.items()},
             "fits": self.fits,
             "predicted": {
-                "step_time_s": self.step_time_s, "mfu": self.mfu, "tokens_per_s": self.tokens_per_s,
+                "step_time_s": self.step_time_s,
+                "mfu": self.mfu,
+                "tokens_per_s": self.tokens_per_s,
                 "tflops_per_gpu": self.tflops_per_gpu,
             },
             "flops_per_step": self.flops_per_step,

@@ -34,6 +34,9 @@ MAX_MICRO_BATCH = 1024
 # hide the K/V exchange and run attention kernels far below peak (Llama 3 uses CP only for long context).
 MIN_CP_TOKENS = 2048
 MAX_REASONS_LISTED = 8
+# Candidates one request may evaluate (a 16k-GPU 405B search needs ~10^4); protects the API from
+# pathological inputs (a million GPUs, thousands of layers, huge batches).
+MAX_CANDIDATES = 2_000_000
 
 # A candidate: (step_s, zero_stage, mem_bytes, stage, micro, combo)
 Candidate = tuple[float, int, float, Stage, Micro, Combo]
@@ -69,17 +72,30 @@ def _schedule_options(pp: int, m: int, layers: int, schedules: Sequence[str]) ->
 def _layout(stage: Stage, micro: Micro, combo: Combo, z: int) -> Layout:
     f = stage.fam
     return Layout(
-        tp=f.tp, pp=f.pp, dp=f.dp, cp=f.cp, ep=f.ep, zero_stage=z, micro_batch_size=micro.mbs,
-        num_microbatches=combo.m, schedule=combo.schedule, sequence_parallel=micro.sp,
-        recompute=micro.recompute, virtual_stages=stage.v,
+        tp=f.tp,
+        pp=f.pp,
+        dp=f.dp,
+        cp=f.cp,
+        ep=f.ep,
+        zero_stage=z,
+        micro_batch_size=micro.mbs,
+        num_microbatches=combo.m,
+        schedule=combo.schedule,
+        sequence_parallel=micro.sp,
+        recompute=micro.recompute,
+        virtual_stages=stage.v,
     )
 
 
 def _comm_total(c: Candidate) -> float:
     stage, micro, combo, z = c[3], c[4], c[5], c[1]
     m = combo.m
-    return (m * stage.layers * (micro.tp_bytes + micro.cp_bytes + micro.ep_bytes) + m * stage.v * micro.p2p_bytes
-            + stage.dp_bytes_once[z] + m * stage.dp_bytes_per_mb[z])
+    return (
+        m * stage.layers * (micro.tp_bytes + micro.cp_bytes + micro.ep_bytes)
+        + m * stage.v * micro.p2p_bytes
+        + stage.dp_bytes_once[z]
+        + m * stage.dp_bytes_per_mb[z]
+    )
 
 
 def _better(a: Candidate, b: Candidate | None) -> bool:
@@ -94,8 +110,19 @@ def _better(a: Candidate, b: Candidate | None) -> bool:
 
 
 class _Search:
-    def __init__(self, env: Env, zero_stages: Sequence[int], schedules: Sequence[str], first_fit: bool = False):
-        self.env, self.zs, self.schedules, self.first_fit = env, tuple(zero_stages), tuple(schedules), first_fit
+    def __init__(
+        self,
+        env: Env,
+        zero_stages: Sequence[int],
+        schedules: Sequence[str],
+        first_fit: bool = False,
+        budget: int = MAX_CANDIDATES,
+    ):
+        self.env = env
+        self.zs = tuple(zero_stages)
+        self.schedules = tuple(schedules)
+        self.first_fit = first_fit
+        self.budget = budget
         self.evaluated = 0
         self.families = 0  # structurally valid families
         self.rejected: list[dict[str, str]] = []
@@ -137,8 +164,8 @@ class _Search:
                     break
                 span = tp * cp
                 if env.n > env.rack and (span > env.rack or env.rack % span):
-                    self._reject(f"tp={tp},cp={cp}", f"cp={cp} with tp={tp} spans more than a {env.rack}-GPU rack")
-                    break
+                    self._reject(f"cp={cp}", f"cp={cp} with tp={tp} spans more than a {env.rack}-GPU rack")
+                    continue
                 too_deep = False
                 for pp in _divisors(env.n // span):
                     if pp > model.layers:
@@ -149,7 +176,9 @@ class _Search:
                     dp = env.n // (span * pp)
                     name = f"tp={tp},pp={pp},dp={dp}" + (f",cp={cp}" if cp > 1 else "")
                     if dp > env.g:
-                        self._reject(name, f"dp={dp} > global batch {env.g} (at least one sequence per replica)")
+                        self._reject(
+                            name, f"dp={dp} > global batch {env.g} (at least one sequence per replica)"
+                        )
                         continue
                     if env.g % dp:
                         self._reject(name, f"dp={dp} does not divide global batch {env.g}")
@@ -157,7 +186,9 @@ class _Search:
                     eps = _divisors(math.gcd(model.num_experts, dp * cp)) if model.is_moe else [1]
                     for ep in eps:
                         self.families += 1
-                        if self._family(Family(env, tp, cp, pp, dp, ep), name + (f",ep={ep}" if ep > 1 else "")):
+                        if self._family(
+                            Family(env, tp, cp, pp, dp, ep), name + (f",ep={ep}" if ep > 1 else "")
+                        ):
                             return
 
     def _family(self, fam: Family, name: str) -> bool:
@@ -178,6 +209,11 @@ class _Search:
             if not options:
                 continue
             for sp in sps:
+                if self.evaluated > self.budget:
+                    raise PlannerError(
+                        f"search space too large ({self.evaluated} candidates evaluated): narrow it with "
+                        "fewer zero_stages, fewer GPUs or a smaller global batch, or evaluate a given layout"
+                    )
                 for rc in RECOMPUTE:
                     micro = Micro(fam, mbs, sp, rc)
                     for schedule, v in options:
@@ -204,7 +240,10 @@ class _Search:
                                 best = cand
         if best is None:
             if lean < math.inf:
-                self._reject(name, f"needs {fmt_bytes(lean)} > {fmt_bytes(cap)} per GPU even at its leanest ({lean_desc})")
+                self._reject(
+                    name,
+                    f"needs {fmt_bytes(lean)} > {fmt_bytes(cap)} per GPU even at its leanest ({lean_desc})",
+                )
                 self.fam_leanest[key] = (lean, lean_desc)
             return False
         self.fam_best[key] = best
@@ -217,28 +256,44 @@ def _check(value: Iterable[Any], allowed: Iterable[Any], name: str) -> tuple[Any
     vals = tuple(value)
     allowed = tuple(allowed)
     if not vals or any(v not in allowed for v in vals) or len(set(vals)) != len(vals):
-        raise PlannerError(f"{name} must be a non-empty list of distinct values from {list(allowed)}, got {list(vals)}")
+        raise PlannerError(
+            f"{name} must be a non-empty list of distinct values from {list(allowed)}, got {list(vals)}"
+        )
     return vals
 
 
 def _too_big_message(env: Env, search: _Search, zero_stages: Sequence[int], schedules: Sequence[str]) -> str:
     m, c = env.model, env.cluster
-    head = f"model {m.name!r} with global batch {env.g} and seq_len {env.s} fits no layout on {env.n} {env.gpu.name} GPUs"
+    head = (
+        f"model {m.name!r} with global batch {env.g} and seq_len {env.s} fits no layout on {env.n} "
+        f"{env.gpu.name} GPUs"
+    )
     if not search.fam_leanest:
         if search.families == 0:
-            return (f"{head}: no tp x cp x pp x dp split of {env.n} GPUs has dp dividing global batch {env.g}; "
-                    f"use a global batch that is a multiple of the data-parallel size or fewer GPUs")
+            return (
+                f"{head}: no tp x cp x pp x dp split of {env.n} GPUs has dp dividing global batch {env.g}; "
+                f"use a global batch that is a multiple of the data-parallel size or fewer GPUs"
+            )
         return f"{head}: no schedule can run the batch (try more micro-batches)"
     lean, desc = min(search.fam_leanest.values())
     msg = f"{head}: the leanest layout ({desc}) needs {fmt_bytes(lean)} > {fmt_bytes(env.capacity)} per GPU"
-    smallest = _smallest_fitting(env, zero_stages, schedules)
+    try:
+        smallest = _smallest_fitting(env, zero_stages, schedules)
+    except PlannerError:  # the bracket got too expensive to search
+        smallest = None
     if smallest is None:
-        return msg + "; no cluster of this GPU type up to a million GPUs fits it at this global batch"
-    return msg + f"; the smallest {env.gpu.name} cluster that fits is {smallest} GPUs ({smallest // c.gpn} nodes)"
+        return (
+            msg + f"; no {env.gpu.name} cluster of up to {MAX_GPUS} GPUs was found that fits it at this "
+            "global batch"
+        )
+    return (
+        msg
+        + f"; the smallest {env.gpu.name} cluster that fits is {smallest} GPUs ({smallest // c.gpn} nodes)"
+    )
 
 
-def _fits(env: Env, zero_stages: Sequence[int], schedules: Sequence[str]) -> bool:
-    s = _Search(env, zero_stages, schedules, first_fit=True)
+def _fits(env: Env, zero_stages: Sequence[int], schedules: Sequence[str], budget: int) -> bool:
+    s = _Search(env, zero_stages, schedules, first_fit=True, budget=budget)
     s.run()
     return s.best is not None
 
@@ -248,7 +303,7 @@ def _smallest_fitting(env: Env, zero_stages: Sequence[int], schedules: Sequence[
     c, gpn = env.cluster, env.cluster.node_size
 
     def fits(n: int) -> bool:
-        return _fits(Env(env.model, env.train, c.with_gpus(n)), zero_stages, schedules)
+        return _fits(Env(env.model, env.train, c.with_gpus(n)), zero_stages, schedules, MAX_CANDIDATES // 20)
 
     prev, n, hi = env.n, (env.n // gpn + 1) * gpn, None
     while n <= MAX_GPUS:
@@ -266,8 +321,15 @@ def _smallest_fitting(env: Env, zero_stages: Sequence[int], schedules: Sequence[
     return hi
 
 
-def plan(model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, *, zero_stages: Sequence[int] = (0, 1, 2, 3),
-         top_k: int = 5, schedules: Sequence[str] = DEFAULT_SCHEDULES) -> Plan:
+def plan(
+    model: ModelSpec,
+    train: TrainSpec,
+    cluster: ClusterSpec,
+    *,
+    zero_stages: Sequence[int] = (0, 1, 2, 3),
+    top_k: int = 5,
+    schedules: Sequence[str] = DEFAULT_SCHEDULES,
+) -> Plan:
     """The fastest predicted layout for `model` on `cluster`, with alternatives and reasons.
 
     Raises PlannerError for bad input, and when no layout fits (naming the smallest cluster that does).
@@ -286,13 +348,21 @@ def plan(model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, *, zero_stage
     result = Plan.from_detail(detail, mode="search", env=env)
     result.candidates_evaluated = search.evaluated
     result.rejected = search.rejected
-    others = sorted((c for k, c in search.fam_best.items() if k != stage.fam.key()), key=lambda c: c[0])[:top_k]
+    others = sorted((c for k, c in search.fam_best.items() if k != stage.fam.key()), key=lambda c: c[0])[
+        :top_k
+    ]
     for c in others:
         d = build_detail(c[3], c[4], c[5], c[1], _layout(c[3], c[4], c[5], c[1]))
         result.alternatives.append(_alternative(env, d, detail))
     result.reasons = _explain(env, detail, result, search, zs, schs)
-    log.debug("planned %s on %d %s: %s in %d candidates", model.name, env.n, env.gpu.name,
-              detail.layout.describe(), search.evaluated)
+    log.debug(
+        "planned %s on %d %s: %s in %d candidates",
+        model.name,
+        env.n,
+        env.gpu.name,
+        detail.layout.describe(),
+        search.evaluated,
+    )
     return result
 
 
@@ -336,21 +406,29 @@ def _variant_note(env: Env, base: Detail, label: str, layout: Layout) -> str | N
     return None
 
 
-def _explain(env: Env, d: Detail, p: Plan, search: _Search, zs: Sequence[int], schs: Sequence[str]) -> list[str]:
+def _explain(
+    env: Env, d: Detail, p: Plan, search: _Search, zs: Sequence[int], schs: Sequence[str]
+) -> list[str]:
     lay = d.layout
     out = [
         f"chosen {lay.describe()}: {p.step_time_s:.4g} s/step, MFU {p.mfu:.1%}, "
-        f"{fmt_bytes(d.memory['total'])} of {fmt_bytes(env.capacity)} per GPU; best of {search.evaluated} candidates "
+        f"{fmt_bytes(d.memory['total'])} of {fmt_bytes(env.capacity)} per GPU; "
+        f"best of {search.evaluated} candidates "
         f"in {search.families} tp x cp x pp x dp families"
     ]
     if lay.tp > 1:
         out.append(f"tp={lay.tp} all-reduces run on the {d.tiers['tp']} tier (inside the {env.gpn}-GPU node)")
     if lay.pp > 1:
-        out.append(f"pp={lay.pp} sends b*s*h per micro-batch over the {d.tiers['pp']} tier; bubble "
-                   f"{d.bubble:.1%} with m={lay.num_microbatches}" + (f", v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""))
+        out.append(
+            f"pp={lay.pp} sends b*s*h per micro-batch over the {d.tiers['pp']} tier; bubble "
+            f"{d.bubble:.1%} with m={lay.num_microbatches}"
+            + (f", v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+        )
     if lay.dp * lay.cp > 1:
-        out.append(f"dp={lay.dp} gradient traffic crosses the {d.tiers['dp']} tier, "
-                   f"{d.time_s['dp_exposed'] * 1e3:.3g} ms of it exposed")
+        out.append(
+            f"dp={lay.dp} gradient traffic crosses the {d.tiers['dp']} tier, "
+            f"{d.time_s['dp_exposed'] * 1e3:.3g} ms of it exposed"
+        )
     for z in zs:
         if z != lay.zero_stage:
             note = _variant_note(env, d, f"zero={z}", lay.with_(zero_stage=z))
@@ -362,8 +440,12 @@ def _explain(env: Env, d: Detail, p: Plan, search: _Search, zs: Sequence[int], s
             if note:
                 out.append(note)
     if lay.tp > 1:
-        note = _variant_note(env, d, f"sequence_parallel={'off' if lay.sequence_parallel else 'on'}",
-                             lay.with_(sequence_parallel=not lay.sequence_parallel))
+        note = _variant_note(
+            env,
+            d,
+            f"sequence_parallel={'off' if lay.sequence_parallel else 'on'}",
+            lay.with_(sequence_parallel=not lay.sequence_parallel),
+        )
         if note:
             out.append(note)
     for alt in p.alternatives[:3]:
@@ -378,16 +460,24 @@ def _explain(env: Env, d: Detail, p: Plan, search: _Search, zs: Sequence[int], s
 def _validate_layout(env: Env, layout: Layout) -> None:
     m = env.model
     if layout.world_size != env.n:
-        raise PlannerError(f"layout: tp x cp x dp x pp = {layout.world_size} must equal cluster.num_gpus ({env.n})")
+        raise PlannerError(
+            f"layout: tp x cp x dp x pp = {layout.world_size} must equal cluster.num_gpus ({env.n})"
+        )
     if layout.global_batch != env.g:
-        raise PlannerError(f"layout: dp x micro_batch_size x num_microbatches = {layout.global_batch} must equal "
-                           f"train.global_batch ({env.g})")
+        raise PlannerError(
+            f"layout: dp x micro_batch_size x num_microbatches = {layout.global_batch} must equal "
+            f"train.global_batch ({env.g})"
+        )
     if m.heads % layout.tp or m.n_kv_heads % layout.tp:
-        raise PlannerError(f"layout.tp ({layout.tp}) must divide model.heads ({m.heads}) and kv_heads ({m.n_kv_heads})")
+        raise PlannerError(
+            f"layout.tp ({layout.tp}) must divide model.heads ({m.heads}) and kv_heads ({m.n_kv_heads})"
+        )
     if env.s % layout.cp:
         raise PlannerError(f"layout.cp ({layout.cp}) must divide train.seq_len ({env.s})")
     if layout.num_stages > m.layers:
-        raise PlannerError(f"layout: pp x virtual_stages = {layout.num_stages} must be <= model.layers ({m.layers})")
+        raise PlannerError(
+            f"layout: pp x virtual_stages = {layout.num_stages} must be <= model.layers ({m.layers})"
+        )
     if not m.is_moe and layout.ep != 1:
         raise PlannerError(f"layout.ep must be 1 for a dense model, got {layout.ep}")
     if m.is_moe and m.num_experts % layout.ep:
@@ -403,8 +493,14 @@ def _detail_for(env: Env, layout: Layout) -> Detail:
     return build_detail(stage, micro, combo, layout.zero_stage, layout)
 
 
-def evaluate(model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, layout: Layout, *,
-             compare_with_search: bool = False) -> Plan:
+def evaluate(
+    model: ModelSpec,
+    train: TrainSpec,
+    cluster: ClusterSpec,
+    layout: Layout,
+    *,
+    compare_with_search: bool = False,
+) -> Plan:
     """The prediction for a fixed layout; the same numbers the search computes for it.
 
     Layouts the search would not choose still get a prediction (reasons say why they are unusual,
@@ -417,25 +513,36 @@ def evaluate(model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, layout: L
     d = _detail_for(env, layout)
     result = Plan.from_detail(d, mode="evaluate", env=env)
     result.candidates_evaluated = 1
-    reasons = [f"evaluated {layout.describe()}: {result.step_time_s:.4g} s/step, MFU {result.mfu:.1%}, "
-               f"{fmt_bytes(d.memory['total'])} of {fmt_bytes(env.capacity)} per GPU"]
+    reasons = [
+        f"evaluated {layout.describe()}: {result.step_time_s:.4g} s/step, MFU {result.mfu:.1%}, "
+        f"{fmt_bytes(d.memory['total'])} of {fmt_bytes(env.capacity)} per GPU"
+    ]
     if not d.fits:
-        reasons.append(f"does not fit: needs {fmt_bytes(d.memory['total'])} > {fmt_bytes(env.capacity)} per GPU")
+        reasons.append(
+            f"does not fit: needs {fmt_bytes(d.memory['total'])} > {fmt_bytes(env.capacity)} per GPU"
+        )
     if layout.tp > env.gpn or env.gpn % layout.tp:
-        reasons.append(f"tp={layout.tp} crosses the {env.gpn}-GPU node: its all-reduces run on the "
-                       f"{d.tiers['tp']} tier")
+        reasons.append(
+            f"tp={layout.tp} crosses the {env.gpn}-GPU node: its all-reduces run on the {d.tiers['tp']} tier"
+        )
     if env.model.layers % layout.num_stages:
-        reasons.append(f"uneven pipeline split: {env.model.layers} layers over {layout.num_stages} stages; the "
-                       f"busiest rank holds {math.ceil(env.model.layers / layout.num_stages) * layout.virtual_stages}")
+        reasons.append(
+            f"uneven pipeline split: {env.model.layers} layers over {layout.num_stages} stages; the "
+            f"busiest rank holds {math.ceil(env.model.layers / layout.num_stages) * layout.virtual_stages}"
+        )
     if layout.schedule in MULTI_STAGE_SCHEDULES and layout.num_microbatches % layout.pp:
-        reasons.append(f"num_microbatches ({layout.num_microbatches}) is not a multiple of pp ({layout.pp}), which "
-                       f"interleaved schedules usually need")
+        reasons.append(
+            f"num_microbatches ({layout.num_microbatches}) is not a multiple of pp ({layout.pp}), which "
+            f"interleaved schedules usually need"
+        )
     if compare_with_search:
         try:
             best = plan(model, train, cluster, top_k=0)
             faster = result.step_time_s / best.step_time_s - 1.0
-            reasons.append(f"the search's best layout {best.layout.describe()} predicts {best.step_time_s:.4g} s/step; "
-                           f"this layout is {faster:.1%} slower")
+            reasons.append(
+                f"the search's best layout {best.layout.describe()} predicts {best.step_time_s:.4g} s/step; "
+                f"this layout is {faster:.1%} slower"
+            )
         except PlannerError as e:
             reasons.append(f"search found nothing to compare: {e}")
     result.reasons = reasons

@@ -1,4 +1,4 @@
-"""What the planner is asked about: the cluster and the training regime (the model is training.spec.ModelSpec)."""
+"""What the planner is asked about: the cluster and the training regime (the model is a ModelSpec)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,12 @@ MAX_GPUS = 1 << 20  # a million accelerators; beyond that the search itself is t
 
 
 def _check_int(name: str, value: object, low: int = 1, high: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < low
+        or (high is not None and value > high)
+    ):
         allowed = f"an integer >= {low}" + (f" and <= {high}" if high is not None else "")
         raise PlannerError(f"{name} must be {allowed}, got {value!r}")
 
@@ -36,7 +41,9 @@ class TrainSpec:
         _check_int("train.global_batch", self.global_batch, 1, 1 << 24)
         _check_int("train.seq_len", self.seq_len, 1, 1 << 24)
         if self.precision not in PRECISIONS:
-            raise PlannerError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+            raise PlannerError(
+                f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
 
     @property
     def bytes_per_param(self) -> tuple[int, int, int]:
@@ -58,7 +65,12 @@ class ClusterSpec:
             _check_int("cluster.gpus_per_node", self.gpus_per_node, 1, 1024)
         _check_int("cluster.nodes_per_rack", self.nodes_per_rack, 1, 1 << 16)
         o = self.oversubscription
-        if isinstance(o, bool) or not isinstance(o, (int, float)) or not math.isfinite(o) or not 1.0 <= o <= 1000.0:
+        if (
+            isinstance(o, bool)
+            or not isinstance(o, (int, float))
+            or not math.isfinite(o)
+            or not 1.0 <= o <= 1000.0
+        ):
             raise PlannerError(f"cluster.oversubscription must be a number between 1 and 1000, got {o!r}")
         gpn = self.node_size
         if self.num_gpus > gpn and self.num_gpus % gpn != 0:
@@ -86,4 +98,6 @@ class ClusterSpec:
         return self.gpn * self.nodes_per_rack
 
     def with_gpus(self, num_gpus: int) -> ClusterSpec:
-        return ClusterSpec(self.gpu_type, num_gpus, self.gpus_per_node, self.nodes_per_rack, self.oversubscription)
+        return ClusterSpec(
+            self.gpu_type, num_gpus, self.gpus_per_node, self.nodes_per_rack, self.oversubscription
+        )

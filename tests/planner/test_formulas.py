@@ -43,7 +43,11 @@ def test_planner_memory_breakdown_uses_the_zero_formula():
     for stage in (0, 1, 2, 3):
         p = evaluate(model, train, cluster, Layout(dp=8, zero_stage=stage))
         want = model_state_bytes(total_params(model), stage, 8, train.bytes_per_param)
-        got = (p.memory_per_gpu_bytes["params"], p.memory_per_gpu_bytes["grads"], p.memory_per_gpu_bytes["optimizer"])
+        got = (
+            p.memory_per_gpu_bytes["params"],
+            p.memory_per_gpu_bytes["grads"],
+            p.memory_per_gpu_bytes["optimizer"],
+        )
         assert got == pytest.approx(want, rel=1e-12)
 
 
@@ -98,8 +102,16 @@ def test_planner_step_time_carries_the_bubble():
 def test_tp_traffic_formula():
     assert tp_bytes_per_layer(2, 1024, 4096, 8) == pytest.approx(8 * 2 * 1024 * 4096 * 7 / 8)
     m = get_preset("llama3-70b")
-    lay = Layout(tp=8, pp=2, dp=4, zero_stage=1, num_microbatches=16, schedule="1f1b", sequence_parallel=True,
-                 recompute="selective")
+    lay = Layout(
+        tp=8,
+        pp=2,
+        dp=4,
+        zero_stage=1,
+        num_microbatches=16,
+        schedule="1f1b",
+        sequence_parallel=True,
+        recompute="selective",
+    )
     p = evaluate(m, TrainSpec(64, 2048), ClusterSpec("H100-80GB", 64), lay)
     layers_per_rank = m.layers // 2
     forward_and_backward = 2
@@ -118,13 +130,23 @@ def test_xxl_course_problem_memory():
     assert state / 1e12 == pytest.approx(3.52, abs=0.005)
     assert math.ceil(state / 80e9) == 44  # H100-80GB worth of memory
     assert math.ceil(state / 95e9) == 38  # FSDP degree to get under one TPU v5p (95 GB)
-    assert sum(model_state_bytes(ffn_params, 3, 38, (4, 4, 8))) < 95e9 < sum(model_state_bytes(ffn_params, 3, 37, (4, 4, 8)))
+    assert (
+        sum(model_state_bytes(ffn_params, 3, 38, (4, 4, 8)))
+        < 95e9
+        < sum(model_state_bytes(ffn_params, 3, 37, (4, 4, 8)))
+    )
 
 
 @pytest.mark.parametrize(
     "name,billions",
-    [("gpt2-small", 0.124), ("gpt2-medium", 0.355), ("llama3-8b", 8.03), ("llama3-70b", 70.6),
-     ("llama3-405b", 405.9), ("gpt3-175b", 175.0)],
+    [
+        ("gpt2-small", 0.124),
+        ("gpt2-medium", 0.355),
+        ("llama3-8b", 8.03),
+        ("llama3-70b", 70.6),
+        ("llama3-405b", 405.9),
+        ("gpt3-175b", 175.0),
+    ],
 )
 def test_preset_parameter_counts(name: str, billions: float):
     assert total_params(get_preset(name)) / 1e9 == pytest.approx(billions, rel=0.015)

@@ -8,7 +8,9 @@ from service.planner import ClusterSpec, ModelSpec, TrainSpec, evaluate, get_pre
 
 H100 = "H100-80GB"
 # Llama 3.2 1B shape.
-ONE_B = ModelSpec(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq_len=2048, name="1b")
+ONE_B = ModelSpec(
+    layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq_len=2048, name="1b"
+)
 
 
 @pytest.mark.parametrize("gpus,batch", [(8, 256), (64, 512), (128, 1024)])
@@ -35,9 +37,18 @@ def test_405b_on_thousands_of_gpus_gets_tp_8_and_pp(gpus: int):
     assert 0.35 < p.mfu < 0.48
 
 
-def test_tp_stops_at_the_node_even_when_memory_is_tight():
-    p = plan(get_preset("llama3-405b"), TrainSpec(2048, 8192), ClusterSpec(H100, 16384))
-    assert any("tp=16 crosses the 8-GPU node" in r["reason"] for r in p.rejected)
+def test_tp_stops_at_the_node():
+    """TP past the node is rejected, and its prediction (all-reduces over InfiniBand) shows why."""
+    model, train, cluster = get_preset("gpt3-175b"), TrainSpec(1536, 2048), ClusterSpec("A100-80GB", 1024)
+    p = plan(model, train, cluster)
+    assert p.layout.tp == 8
+    assert any(r["reason"] == "tp=16 crosses the 8-GPU node" for r in p.rejected)
+    lay = p.layout
+    wide = evaluate(
+        model, train, cluster, lay.with_(tp=16, dp=lay.dp // 2, num_microbatches=lay.num_microbatches * 2)
+    )
+    assert wide.link_tiers["tp"] != "intra-node"
+    assert wide.step_time_s > 1.2 * p.step_time_s
 
 
 def test_zero_1_is_free():

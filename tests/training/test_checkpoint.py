@@ -416,6 +416,7 @@ def test_keep_prunes_to_the_newest_k(tmp_path):
         save_checkpoint(str(tmp_path), 6, [model], opt, {}, keep=0)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # from DCP's writer thread
 def test_async_save_commits_at_the_next_save_or_wait(tmp_path):
     model, opt = _trained()
     first = save_checkpoint(str(tmp_path), 1, [model], opt, {}, async_save=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -140,11 +140,10 @@ def _train_loop_checks(rank: int, ctx, root: str) -> dict:
 
     out: dict = {}
     whole = Recorder()
-    full = train(ctx, RunConfig(**{**base.__dict__, "checkpoint": CheckpointConfig(dir=f"{root}/a", every_steps=2)}),
-                 whole)
+    full = train(ctx, replace(base, checkpoint=CheckpointConfig(dir=f"{root}/a", every_steps=2)), whole)
     out["full"] = (full.final_step, full.model_digest, full.losses, whole.saved, [s for s, _, _ in whole.steps])
     out["positions"] = [p for _, _, p in whole.steps]
-    interrupted_cfg = RunConfig(**{**base.__dict__, "checkpoint": CheckpointConfig(dir=f"{root}/b", every_steps=2)})
+    interrupted_cfg = replace(base, checkpoint=CheckpointConfig(dir=f"{root}/b", every_steps=2))
     first = Recorder(stop_at=2)
     part1 = train(ctx, interrupted_cfg, first)
     part2 = train(ctx, interrupted_cfg, Recorder())

@@ -89,7 +89,8 @@ def _zero_worker(rank: int, world: int, shard_dir: str) -> dict[str, object]:
     torch.manual_seed(0)
     model = make_model()
     g0, g1 = groups_of(model)
-    opt = ShardedOptimizer(g0["params"], torch.optim.AdamW, **ADAMW)
+    # A 2 KiB broadcast bucket: each owner's parameters travel in several chunks.
+    opt = ShardedOptimizer(g0["params"], torch.optim.AdamW, broadcast_bucket_mb=2 / 1024, **ADAMW)
     opt.add_param_group(g1)
     run_sharded(model, opt, rank, world, range(STEPS // 2))
 
@@ -101,6 +102,7 @@ def _zero_worker(rank: int, world: int, shard_dir: str) -> dict[str, object]:
     out["inner_params"] = sum(len(g["params"]) for g in opt.inner.param_groups)
     out["loads"] = opt.param_counts_per_rank()
     out["group_lrs"] = [g["lr"] for g in opt.param_groups]
+    out["broadcast_chunks"] = sum(len(chunks) for _, chunks in opt._plan())
     torch.manual_seed(0)
     model2 = make_model()
     model2.load_state_dict(model.state_dict())
@@ -143,6 +145,7 @@ def test_matches_plain_adamw(results: list[dict[str, object]]) -> None:
     for r in results:
         assert r["diff"] < TOL, r["diff"]
         assert r["group_lrs"] == [1e-2, 3e-3]  # add_param_group kept the second group's own lr
+        assert r["broadcast_chunks"] > 4
 
 
 def test_partition_is_disjoint_complete_and_balanced(results: list[dict[str, object]]) -> None:

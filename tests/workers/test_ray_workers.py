@@ -93,14 +93,16 @@ def test_rank_actors_land_where_placement_said(ray_cluster):
 
 def test_cordoned_and_quarantined_nodes_receive_no_ranks(ray_cluster):
     wait_for_free_gpus(16)
-    topo = Topology.from_ray({"r2-n1": "quarantined"}, ["r1-n1"])
+    layout = Layout(tp=2, dp=2)  # fits the first node, r1-n1, when nothing is excluded
+    assert {r.node_name for r in place(layout, Topology.from_ray()).ranks} == {"r1-n1"}
+    topo = Topology.from_ray({"r1-n2": "quarantined"}, ["r1-n1"])
     group = RayWorkerGroup("cordon")
     try:
-        group.reserve(place(DP2_PP2_TP2, topo))
+        group.reserve(place(layout, topo))
         landed = {r.node_name for r in group.spawn()}
     finally:
         group.shutdown()
-    assert landed == {"r1-n2", "r2-n2"}
+    assert landed == {"r2-n1"}
     wait_for_free_gpus(16)
 
 
@@ -207,3 +209,28 @@ def test_cancel_tears_down_the_ranks_and_frees_their_gpus(ray_cluster):
         wait_for_free_gpus(16)
     finally:
         kill_controller("cancel")
+
+
+def test_a_killed_rank_is_detected_and_the_job_resumes_from_its_checkpoint(ray_cluster, tmp_path):
+    wait_for_free_gpus(16)
+    cfg = RunConfig(model=SPEC, layout=Layout(dp=2), steps=4,
+                    checkpoint=CheckpointConfig(dir=str(tmp_path / "ckpt"), every_steps=2))
+    options = ControllerOptions(poll_interval_s=0.2, faults=({"kind": "kill_rank", "rank": 1, "at_step": 3},))
+    handle = start_controller("killed", cfg, options=options)
+    try:
+        snap = poll_until(handle, lambda s: s["terminal"], 240)
+        assert snap["state"] == "FINISHED", snap["reason"]
+        assert snap["restarts"] == 1 and snap["result"]["resumed_from"] == 2
+        assert snap["result"]["final_step"] == 4
+        failure = next(e for e in snap["events"] if e["kind"] == "failure")["failure"]
+        assert failure["kind"] == "rank_died" and failure["ranks"] == [1]
+        kinds = [e["kind"] for e in snap["events"]]
+        order = [kinds.index(k) for k in ("failure", "node_suspect", "restart", "finished")]
+        assert order == sorted(order)
+        suspect = failure["nodes"][0]
+        assert snap["suspect_nodes"] == [suspect]
+        # the restart is placed off the suspect node (it is used last) and read back from the new actors
+        assert suspect not in {r["node_name"] for r in snap["placement"]}
+    finally:
+        kill_controller("killed")
+    wait_for_free_gpus(16)

@@ -7,6 +7,7 @@ Optimizer state per rank drops to ~1/N for the price of one broadcast of the par
 traffic as the all-gather half of an all-reduce (Rajbhandari et al. 2020, ZeRO, section 5.1).
 
     opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, process_group=dp_group, lr=3e-4)
+    # (optional broadcast_bucket_mb=25.0: the most bytes flattened into one broadcast)
     ...; ddp.finish_gradient_synchronization(); opt.step(); opt.zero_grad()
 
 Partition: parameters are assigned greedily, largest first, each to the currently least-loaded rank
@@ -65,8 +66,12 @@ class ShardedOptimizer(Optimizer):
         params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
         optimizer_cls: type[Optimizer],
         process_group: dist.ProcessGroup | None = None,
+        broadcast_bucket_mb: float = 25.0,
         **kwargs: Any,
     ) -> None:
+        if not broadcast_bucket_mb > 0:
+            raise ValueError(f"broadcast_bucket_mb must be > 0, got {broadcast_bucket_mb}")
+        self.broadcast_bucket_mb = broadcast_bucket_mb
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -145,8 +150,10 @@ class ShardedOptimizer(Optimizer):
         return loss
 
     def _plan(self) -> list[tuple[int, list[list[torch.Tensor]]]]:
-        """For each owner rank, its parameters' local tensors grouped by (dtype, device)."""
+        """For each owner rank, its parameters' local tensors in chunks of one (dtype, device) and at
+        most `broadcast_bucket_mb` (a lone larger tensor is its own chunk)."""
         if self._broadcast_plan is None:
+            cap = self.broadcast_bucket_mb * 1024 * 1024
             plan: list[tuple[int, list[list[torch.Tensor]]]] = []
             for owner in range(self.world_size):
                 groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -154,13 +161,24 @@ class ShardedOptimizer(Optimizer):
                     if o == owner:
                         t = local_tensor(p.detach())
                         groups.setdefault((t.dtype, t.device), []).append(t)
-                plan.append((owner, list(groups.values())))
+                chunks: list[list[torch.Tensor]] = []
+                for tensors in groups.values():
+                    first, size = len(chunks), 0
+                    for t in tensors:
+                        nbytes = t.numel() * t.element_size()
+                        if len(chunks) == first or size + nbytes > cap:
+                            chunks.append([])
+                            size = 0
+                        chunks[-1].append(t)
+                        size += nbytes
+                plan.append((owner, chunks))
             self._broadcast_plan = plan
         return self._broadcast_plan
 
     @torch.no_grad()
     def broadcast_parameters(self) -> None:
-        """Every owner sends its updated parameters, flattened into one tensor per (owner, dtype)."""
+        """Every owner sends its updated parameters, flattened into a few chunks (a transient buffer of
+        at most `broadcast_bucket_mb`, or one tensor if larger, instead of one call per parameter)."""
         if self.world_size == 1:
             return
         for owner, groups in self._plan():

@@ -80,28 +80,34 @@ class PlanRequest(BaseModel):
     seq_len: int | None = Field(None, ge=1, le=1 << 24, description="defaults to model.seq_len")
     precision: Literal["bf16_fp32_adam", "bf16_fp32_master"] = "bf16_fp32_adam"
     cluster: ClusterIn
-    zero_stages: list[int] | None = Field(None, min_length=1, max_length=4, description="stages the search may use")
+    zero_stages: list[int] | None = Field(
+        None, min_length=1, max_length=4, description="stages the search may use"
+    )
     layout: LayoutIn | None = Field(None, description="evaluate this layout instead of searching")
     top_k: int = Field(5, ge=0, le=50)
 
 
 def build_model(body: ModelIn) -> ModelSpec:
-    """ModelSpec from a preset (optionally overridden) or from explicit fields; PlannerError/SpecError on bad input."""
+    """ModelSpec from a preset (given fields override it) or explicit fields; PlannerError or SpecError."""
     fields = body.model_dump(exclude_none=True, exclude={"preset"})
     if body.preset is not None:
         base = get_preset(body.preset)
         return dataclasses.replace(base, **fields) if fields else base
     missing = [f for f in ("layers", "hidden", "heads", "vocab", "seq_len") if f not in fields]
     if missing:
-        raise PlannerError(f"model: give a preset or all of layers, hidden, heads, vocab, seq_len (missing: "
-                           f"{', '.join(missing)})")
+        raise PlannerError(
+            f"model: give a preset or all of layers, hidden, heads, vocab, seq_len (missing: "
+            f"{', '.join(missing)})"
+        )
     return ModelSpec(**fields)
 
 
 def plan_from_request(body: PlanRequest) -> dict[str, Any]:
     """The Plan dict for a request; raises PlannerError / SpecError / LayoutError on bad values."""
     model = build_model(body.model)
-    train = TrainSpec(global_batch=body.global_batch, seq_len=body.seq_len or model.seq_len, precision=body.precision)
+    train = TrainSpec(
+        global_batch=body.global_batch, seq_len=body.seq_len or model.seq_len, precision=body.precision
+    )
     c = body.cluster
     cluster = ClusterSpec(c.gpu_type, c.num_gpus, c.gpus_per_node, c.nodes_per_rack, c.oversubscription)
     if body.layout is not None:
