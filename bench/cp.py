@@ -130,8 +130,14 @@ def main() -> None:
     ap.add_argument("--cps", default="1,2,4")
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
-    cfg = {"seq": args.seq, "batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads,
-           "head_dim": args.head_dim, "steps": args.steps}
+    cfg = {
+        "seq": args.seq,
+        "batch": args.batch,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "steps": args.steps,
+    }
     print(f"# bench.cp  {machine()}")
     shape = f"B={args.batch} S={args.seq} Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim}"
     print(f"# causal, fp32, {shape}, median of {args.steps} steps after 1 warm-up; MiB = 2^20 bytes")
@@ -139,20 +145,44 @@ def main() -> None:
     rows: list[list[Any]] = []
     mib = 2.0**20
     q, k, v = _inputs(cfg)
-    sdpa = _measure(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True),
-                    q, k, v, args.steps)
+    sdpa = _measure(
+        lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True),
+        q,
+        k,
+        v,
+        args.steps,
+    )
     rows.append(["torch SDPA (1 rank)", sdpa["wall"], sdpa["cpu"], sdpa["saved"] / mib, "-", "-", "-", "-"])
     for cp in (int(c) for c in args.cps.split(",")):
         res = spawn(cp, _worker, (cfg,))
         pred = _predictions(cfg, cp)
-        rows.append([
-            f"ring CP={cp}", res["wall"], res["cpu"], res["saved"] / mib, pred["saved"] / mib,
-            f"{res['fwd'] / mib:.2f} / {pred['fwd'] / mib:.2f}",
-            f"{res['bwd'] / mib:.2f} / {pred['bwd'] / mib:.2f}",
-            f"{(res['fwd'] + res['bwd']) / mib:.2f} / {pred['planner'] / mib:.2f}",
-        ])
-    print(table(["attention fwd+bwd", "step s", "cpu s", "saved MiB", "predicted MiB",
-                 "ring fwd MiB meas/pred", "ring bwd MiB meas/pred", "ring total MiB meas/planner"], rows))
+        rows.append(
+            [
+                f"ring CP={cp}",
+                res["wall"],
+                res["cpu"],
+                res["saved"] / mib,
+                pred["saved"] / mib,
+                f"{res['fwd'] / mib:.2f} / {pred['fwd'] / mib:.2f}",
+                f"{res['bwd'] / mib:.2f} / {pred['bwd'] / mib:.2f}",
+                f"{(res['fwd'] + res['bwd']) / mib:.2f} / {pred['planner'] / mib:.2f}",
+            ]
+        )
+    print(
+        table(
+            [
+                "attention fwd+bwd",
+                "step s",
+                "cpu s",
+                "saved MiB",
+                "predicted MiB",
+                "ring fwd MiB meas/pred",
+                "ring bwd MiB meas/pred",
+                "ring total MiB meas/planner",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -101,14 +101,16 @@ def report(world: int, res: dict[str, Any]) -> list[str]:
     naive = rows["naive"]["step"]
     table_rows = []
     for name, r in rows.items():
-        table_rows.append([
-            name,
-            r["step"] * 1e3,
-            r["finish"] * 1e3,
-            max(0.0, 1 - base / r["step"]),
-            r["step"] / ref,
-            naive / r["step"],
-        ])
+        table_rows.append(
+            [
+                name,
+                r["step"] * 1e3,
+                r["finish"] * 1e3,
+                max(0.0, 1 - base / r["step"]),
+                r["step"] / ref,
+                naive / r["step"],
+            ]
+        )
     print(f"\n{world} ranks ({res['backend']}, {res['device']}), {res['params'] / 1e6:.1f}M parameters")
     print(table(["variant", "step ms", "finish ms", "comm overhead", "vs torch DDP", "x naive"], table_rows))
     bucketed = {n: r["step"] for n, r in rows.items() if n.startswith("bucketed")}
@@ -132,8 +134,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     ap.add_argument("--seq", type=int, default=64)
     args = ap.parse_args()
-    cfg = {"buckets": args.buckets, "rounds": args.rounds, "steps": args.steps, "batch": args.batch,
-           "seq": args.seq}
+    cfg = {
+        "buckets": args.buckets,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "batch": args.batch,
+        "seq": args.seq,
+    }
     print(f"bench/ddp.py - {machine()}")
     print(f"batch {args.batch} x {args.seq} tokens per rank, {args.rounds} rounds x {args.steps} timed steps")
     verdicts = []

@@ -34,8 +34,18 @@ from training.parallel.zero import ShardedOptimizer
 
 MB = 1024 * 1024
 FIELDS = [
-    "param_bytes", "grad_bytes", "state_bytes", "rss_init", "rss_before", "rss_after", "rss_peak",
-    "dev_before", "dev_after", "dev_peak", "opt_step_s", "step_s",
+    "param_bytes",
+    "grad_bytes",
+    "state_bytes",
+    "rss_init",
+    "rss_before",
+    "rss_after",
+    "rss_peak",
+    "dev_before",
+    "dev_after",
+    "dev_peak",
+    "opt_step_s",
+    "step_s",
 ]
 
 
@@ -111,16 +121,43 @@ def report(world: int, plain: dict[str, Any], zero: dict[str, Any]) -> list[str]
     rows = []
     for name, res in (("AdamW (replicated)", plain), ("ZeRO-1 ShardedOptimizer", zero)):
         for rank, r in enumerate(res["ranks"]):
-            rows.append([
-                name if rank == 0 else "", rank, r["param_bytes"] / MB, r["grad_bytes"] / MB,
-                r["state_bytes"] / MB, r["state_bytes"] / full_state,
-                r["rss_init"] / MB, r["rss_before"] / MB, r["rss_after"] / MB, r["rss_peak"] / MB,
-            ])
-    print(table(["optimizer", "rank", "params MB", "grads MB", "opt state MB", "state / replicated",
-                 "RSS init MB", "RSS pre-step MB", "RSS post-step MB", "RSS peak MB"], rows))
+            rows.append(
+                [
+                    name if rank == 0 else "",
+                    rank,
+                    r["param_bytes"] / MB,
+                    r["grad_bytes"] / MB,
+                    r["state_bytes"] / MB,
+                    r["state_bytes"] / full_state,
+                    r["rss_init"] / MB,
+                    r["rss_before"] / MB,
+                    r["rss_after"] / MB,
+                    r["rss_peak"] / MB,
+                ]
+            )
+    print(
+        table(
+            [
+                "optimizer",
+                "rank",
+                "params MB",
+                "grads MB",
+                "opt state MB",
+                "state / replicated",
+                "RSS init MB",
+                "RSS pre-step MB",
+                "RSS post-step MB",
+                "RSS peak MB",
+            ],
+            rows,
+        )
+    )
     if plain["device"].startswith("cuda"):
-        dev_rows = [[name, r["dev_before"] / MB, r["dev_after"] / MB, r["dev_peak"] / MB]
-                    for name, res in (("AdamW", plain), ("ZeRO-1", zero)) for r in res["ranks"][:1]]
+        dev_rows = [
+            [name, r["dev_before"] / MB, r["dev_after"] / MB, r["dev_peak"] / MB]
+            for name, res in (("AdamW", plain), ("ZeRO-1", zero))
+            for r in res["ranks"][:1]
+        ]
         print(table(["optimizer (rank 0)", "GPU alloc pre-step MB", "post-step MB", "peak MB"], dev_rows))
     t_plain = max(r["opt_step_s"] for r in plain["ranks"])
     t_zero = max(r["opt_step_s"] for r in zero["ranks"])

@@ -124,6 +124,7 @@ def serve(
     updates = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
     settings = settings.model_copy(update=updates)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(max(logging.WARNING, logging.getLogger().level))
     settings.home.mkdir(parents=True, exist_ok=True)
     try:
         engine, token = prepare_database(settings, bootstrap=True)
@@ -242,7 +243,7 @@ def jobs(
         p = j["progress"]
         loss = f"{p['loss']:.4f}" if p["loss"] is not None else "-"
         table.add_row(j["id"], j["name"], j["tenant"], j["state"], f"{p['step']}/{p['total_steps']}", loss,
-                      j["created_at"][:19])
+                      j["created_at"][:16].replace("T", " "))
     out.print(table)
 
 

@@ -144,8 +144,25 @@ def _block_pairs(
     return pairs
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> torch.Tensor:
-    s = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale  # (B, Hkv, G, Sq, Sk)
+KERNELS = ("auto", "fused", "math")
+_FUSED_CPU = "_scaled_dot_product_flash_attention_for_cpu"
+
+
+def _use_fused(kernel: str, q: torch.Tensor) -> bool:
+    """The fused CPU flash-attention kernel (tiled, returns log-sum-exp, native GQA) when it applies."""
+    available = q.device.type == "cpu" and hasattr(torch.ops.aten, _FUSED_CPU)
+    if kernel == "fused" and not available:
+        raise ContextParallelError(f"kernel='fused' needs CPU tensors and aten.{_FUSED_CPU}, got {q.device}")
+    return kernel == "fused" or (kernel == "auto" and available)
+
+
+def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    b, hq, s, d = q.shape
+    return q.view(b, hkv, hq // hkv, s, d)  # query head h uses kv head h // G (enable_gqa order)
+
+
+def _scores(q5: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> torch.Tensor:
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q5, k) * scale  # (B, Hkv, G, Sq, Sk)
     if diagonal:
         n = s.size(-1)
         upper = torch.ones(n, n, dtype=torch.bool, device=s.device).triu_(1)
@@ -154,12 +171,40 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> t
 
 
 def _block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    s = _scores(q, k, scale, diagonal)
+    """Attention of q rows over one K/V block: (out (B, Hq, Sq, D), lse (B, Hq, Sq), lse >= fp32)."""
+    if fused:
+        out, lse = getattr(torch.ops.aten, _FUSED_CPU)(q, k, v, 0.0, diagonal, scale=scale)
+        return out, lse
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = _scores(_grouped(q, k.size(1)).to(acc), k.to(acc), scale, diagonal)
     lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, Sq)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    return torch.einsum("bhgqk,bhkd->bhgqd", p, v), lse
+    out = torch.einsum("bhgqk,bhkd->bhgqd", torch.exp(s - lse.unsqueeze(-1)), v.to(acc))
+    return out.flatten(1, 2), lse.flatten(1, 2)
+
+
+def _block_backward(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    scale: float, diagonal: bool, fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This block's share of (dq, dk, dv), given the *final* out and lse of the q rows: with those,
+    P = exp(S - lse) is the block's slice of the full softmax (FlashAttention-2, alg. 2)."""
+    if fused:
+        dq, dk, dv = getattr(torch.ops.aten, _FUSED_CPU + "_backward")(
+            do, q, k, v, out, lse, 0.0, diagonal, scale=scale
+        )
+        return dq, dk, dv
+    acc = torch.promote_types(q.dtype, torch.float32)
+    hkv = k.size(1)
+    q5, do5, k, v = _grouped(q, hkv).to(acc), _grouped(do, hkv).to(acc), k.to(acc), v.to(acc)
+    delta = (do5 * _grouped(out, hkv).to(acc)).sum(-1)  # D_i = rowsum(dO * O), alg. 2 line 4
+    p = torch.exp(_scores(q5, k, scale, diagonal) - _grouped(lse.unsqueeze(-1), hkv))
+    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do5)
+    ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", do5, v) - delta.unsqueeze(-1))
+    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k) * scale
+    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q5) * scale
+    return dq.flatten(1, 2), dk, dv
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
@@ -219,55 +264,51 @@ class _RingAttention(torch.autograd.Function):
         causal: bool,
         scale: float,
         load_balance: bool,
+        fused: bool,
     ) -> torch.Tensor:
-        b, hq, s_local, d = q.shape
-        hkv = k.size(1)
+        s_local = q.size(2)
         ring = _Ring(group) if _cp_size(group) > 1 else None
         size, rank = (ring.size, ring.rank) if ring else (1, 0)
-        acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        q5 = q.view(b, hkv, hq // hkv, s_local, d).to(acc)
-        out = torch.zeros_like(q5)
-        lse = torch.full(q5.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, Hq, S_local, D)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)  # (B, Hq, S_local)
         q_segs = _segments(rank, size, s_local, load_balance)
 
-        kv = torch.stack([k, v]).contiguous()  # (2, B, Hkv, S_local, D): one message per hop
+        kv = torch.stack([k, v])  # (2, B, Hkv, S_local, D): one message per hop
         for step in range(size):
             works: list[dist.Work] = []
             if ring is not None and step < size - 1:
                 next_kv, works = ring.shift(kv, _KV_TAG)  # overlaps with this step's compute
             src = (rank - step) % size
-            kb, vb = kv[0].to(acc), kv[1].to(acc)
             kv_segs = _segments(src, size, s_local, load_balance)
             for rows, cols, diag in _block_pairs(q_segs, kv_segs, causal, s_local):
-                blk_out, blk_lse = _block_forward(q5[:, :, :, rows], kb[:, :, cols], vb[:, :, cols], scale,
-                                                  diag)
-                _merge(out[:, :, :, rows], lse[:, :, :, rows], blk_out, blk_lse)
+                blk_out, blk_lse = _block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale,
+                                                  diag, fused)
+                _merge(out[:, :, rows], lse[:, :, rows], blk_out.to(acc), blk_lse.to(acc))
             if works:
                 _wait(works)
                 kv = next_kv
 
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.load_balance = group, causal, scale, load_balance
-        return out.to(q.dtype).view(b, hq, s_local, d)
+        ctx.settings = (group, causal, scale, load_balance, fused)
+        return out
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, load_balance = ctx.group, ctx.causal, ctx.scale, ctx.load_balance
-        b, hq, s_local, d = q.shape
-        hkv = k.size(1)
+        group, causal, scale, load_balance, fused = ctx.settings
+        s_local = q.size(2)
         ring = _Ring(group) if _cp_size(group) > 1 else None
         size, rank = (ring.size, ring.rank) if ring else (1, 0)
-        acc = out.dtype
-        q5 = q.view(b, hkv, hq // hkv, s_local, d).to(acc)
-        do = grad_out.contiguous().view_as(q5).to(acc)
-        delta = (do * out).sum(-1)  # D_i = rowsum(dO * O), FlashAttention-2 alg. 2 line 4
-        dq = torch.zeros_like(q5)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        do = grad_out.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         q_segs = _segments(rank, size, s_local, load_balance)
 
-        kv = torch.stack([k, v]).contiguous()
+        kv = torch.stack([k, v])
         dkv_works: list[dist.Work] = []
         dkv_in: torch.Tensor | None = None
         for step in range(size):
@@ -275,17 +316,15 @@ class _RingAttention(torch.autograd.Function):
             if ring is not None and step < size - 1:
                 next_kv, kv_works = ring.shift(kv, _KV_TAG)
             src = (rank - step) % size
-            kb, vb = kv[0].to(acc), kv[1].to(acc)
             dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # this rank's share for block `src`
             kv_segs = _segments(src, size, s_local, load_balance)
             for rows, cols, diag in _block_pairs(q_segs, kv_segs, causal, s_local):
-                qb, kc, vc, dob = q5[:, :, :, rows], kb[:, :, cols], vb[:, :, cols], do[:, :, :, rows]
-                p = torch.exp(_scores(qb, kc, scale, diag) - lse[:, :, :, rows].unsqueeze(-1))
-                dkv[1][:, :, cols] += torch.einsum("bhgqk,bhgqd->bhkd", p, dob)
-                dp = torch.einsum("bhgqd,bhkd->bhgqk", dob, vc)
-                ds = p * (dp - delta[:, :, :, rows].unsqueeze(-1))
-                dq[:, :, :, rows] += torch.einsum("bhgqk,bhkd->bhgqd", ds, kc) * scale
-                dkv[0][:, :, cols] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qb) * scale
+                bdq, bdk, bdv = _block_backward(do[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
+                                                kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows], scale,
+                                                diag, fused)
+                dq[:, :, rows] += bdq
+                dkv[0][:, :, cols] += bdk
+                dkv[1][:, :, cols] += bdv
             if ring is None:
                 dkv_in = dkv
                 break
@@ -300,8 +339,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = next_kv
         _wait(dkv_works)
         assert dkv_in is not None
-        return (dq.to(q.dtype).view(b, hq, s_local, d), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype),
-                None, None, None, None)
+        return (dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None, None)
 
 
 # ---- public entry points -----------------------------------------------------------------------------------
@@ -316,6 +354,7 @@ def ring_attention(
     causal: bool,
     scale: float | None = None,
     load_balance: bool = True,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Exact attention over the full sequence, computed from this rank's sequence shard.
 
@@ -324,7 +363,13 @@ def ring_attention(
     `shard_sequence(..., load_balance=load_balance)`; every rank of `cp_group` passes the same shapes.
     Returns (B, Hq, S_local, D) in q's dtype; fp16/bf16 inputs are accumulated in fp32.
     `cp_group=None` means the default group. No dropout, no attention mask beyond `causal`.
+    kernel: the per-block attention. "fused" = torch's CPU flash-attention kernel
+    (aten._scaled_dot_product_flash_attention_for_cpu and its backward, which take the final
+    out/lse, so a block's gradient needs no extra pass); "math" = einsum + explicit softmax (any
+    device; the reference); "auto" = fused where available, else math.
     """
+    if kernel not in KERNELS:
+        raise ContextParallelError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ContextParallelError(f"q, k, v must be (B, H, S_local, D), got {tuple(q.shape)}, "
                                    f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -338,7 +383,7 @@ def ring_attention(
         raise ContextParallelError(f"local sequence length ({q.size(2)}) must be even when load_balance=True")
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     out = _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp_group, causal, scale,
-                               load_balance)
+                               load_balance, _use_fused(kernel, q))
     return out  # type: ignore[no-any-return]
 
 

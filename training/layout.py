@@ -155,6 +155,8 @@ class Layout:
         parts += [f"zero={self.zero_stage}", f"mbs={self.micro_batch_size}", f"m={self.num_microbatches}"]
         if self.pp > 1:
             parts.append(f"schedule={self.schedule}")
+        if self.virtual_stages > 1:
+            parts.append(f"v={self.virtual_stages}")
         if self.sequence_parallel:
             parts.append("sp")
         if self.recompute != "none":

@@ -173,10 +173,17 @@ class Transformer(nn.Module):
             h = self.norm(h)
         return self.output(h) if self.output is not None else h  # (B, T, V) or (B, T, C)
 
+    def tie_weights(self) -> None:
+        """Share the embedding with the head again (to_empty() on a meta model unties them)."""
+        if self.spec.tied_embeddings and self.output is not None and self.tok_embeddings is not None:
+            if self.output.weight is not self.tok_embeddings.weight:
+                self.output.weight = self.tok_embeddings.weight
+
     # ---- initialisation ---------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Fill every parameter and buffer deterministically from (seed, canonical name)."""
+        self.tie_weights()
         device = self.rope_cos.device
         cos, sin = rope_tables(self.spec.head_dim, self.spec.seq_len, self.spec.rope_theta, device=device)
         self.rope_cos.copy_(cos)

@@ -24,7 +24,8 @@ Gradient synchronisation over the data-parallel group, by ZeRO stage:
   0  training.parallel.ddp.DDP (dp_impl "lattice") or torch DDP (dp_impl "torch")
   1  the same gradient all-reduce, then training.parallel.zero.ShardedOptimizer(AdamW)
   2  fully_shard(reshard_after_forward=False) per block, then the root
-  3  fully_shard(reshard_after_forward=True) per block, then the root
+  3  fully_shard(reshard_after_forward=True) per block, then the root (False under the
+     split-backward pipeline schedules, see SPLIT_BACKWARD_SCHEDULES)
 With pipeline parallelism each stage module is wrapped the same way. A stage runs backward
 once per micro-batch (the zero-bubble schedules split it into input and weight parts), so the
 train loop runs the whole schedule inside DDP's `no_sync()` and reduces once after the flush
@@ -58,6 +59,14 @@ from training.model import Transformer
 from training.spec import ModelSpec
 
 log = logging.getLogger(__name__)
+
+# Pipeline schedules that split backward into an input pass and a later weight pass. With them,
+# FSDP2's reshard_after_forward=True gives wrong weight gradients in torch 2.13 (the stage's
+# weight pass runs after the next micro-batch's forward has resharded the parameters; measured:
+# parameters off by ~1e-2 after two steps on gloo), so ZeRO-3 stages keep their parameters
+# gathered from forward to the end of the step there (torchtitan never reshards after forward
+# under PP either); they are still sharded between steps.
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 # ---- validation ------------------------------------------------------------------------
 def check_layout_for_model(spec: ModelSpec, layout: Layout) -> None:
@@ -207,7 +216,8 @@ def parallelize(model: Transformer, layout: Layout, mesh: DeviceMesh, run_cfg: R
         apply_tensor_parallel(model, mesh["tp"], layout.sequence_parallel)
     apply_recompute(model, layout.recompute)
     if layout.zero_stage >= 2 and layout.dp > 1:
-        apply_fsdp(model, mesh["dp"], reshard_after_forward=layout.zero_stage == 3, device_type=device.type)
+        reshard = layout.zero_stage == 3 and layout.schedule not in SPLIT_BACKWARD_SCHEDULES
+        apply_fsdp(model, mesh["dp"], reshard_after_forward=reshard, device_type=device.type)
     materialize(model, run_cfg.seed, device)
     if layout.tp > 1 and not isinstance(model, FSDPModule):
         # After materialising: to_empty() replaces meta parameters, dropping their hooks.

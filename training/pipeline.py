@@ -3,7 +3,8 @@
 The model is split by layers into pp x virtual_stages stages. The first stage also holds the
 token embedding, the last the final norm, the output head and the loss. When the layers do
 not divide evenly, the extra layers go to the middle stages first (the ends already carry the
-embedding and the head + loss, so this balances work best), then to the ends.
+embedding and the head + loss), then to the first stage (an embedding lookup is cheap), and to
+the last stage (head + loss, the heaviest end) only when every other stage has one.
 
 Stages are placed on pipeline ranks by the schedule's style: "loop" (stage s on rank s mod pp)
 for GPipe, 1F1B and the interleaved schedules; "V" (rank r holds stages r and 2pp-1-r) for
@@ -54,8 +55,8 @@ def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
         raise LayoutError(f"model.layers ({num_layers}) must be >= the pipeline stages ({num_stages})")
     base, extra = divmod(num_layers, num_stages)
     centre = (num_stages - 1) / 2
-    # Middle stages first (by distance from the centre), the two ends last.
-    order = sorted(range(num_stages), key=lambda s: (s in (0, num_stages - 1), abs(s - centre), s))
+    # Middle stages first (nearest the centre first), then the first stage, the last stage last.
+    order = sorted(range(num_stages), key=lambda s: (s == num_stages - 1, s == 0, abs(s - centre), s))
     counts = [base] * num_stages
     for s in order[:extra]:
         counts[s] += 1

@@ -259,12 +259,14 @@ def _agree(flags: list[bool], device: torch.device) -> list[bool]:
 
 def _shared_error(error: IntegrityError | None) -> IntegrityError:
     """The integrity error every rank raises: the lowest-ranked detector's, with all detectors' ranks."""
-    errors: list[IntegrityError | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    found = [e for e in errors if e is not None]
-    first = found[0]
-    ranks = sorted({r for e in found for r in e.ranks})
-    return IntegrityError(first.kind, first.step, ranks, first.evidence)
+    # Sent as plain tuples: IntegrityError's constructor arguments do not survive pickling.
+    mine = (error.kind, error.step, error.ranks, error.evidence) if error is not None else None
+    gathered: list[tuple | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    found = [e for e in gathered if e is not None]
+    kind, step, _, evidence = found[0]
+    ranks = sorted({r for e in found for r in e[2]})
+    return IntegrityError(kind, step, ranks, evidence)
 
 
 def train(ctx: DistContext, cfg: RunConfig, hooks: TrainHooks | None = None, *, resume: bool = True,

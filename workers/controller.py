@@ -84,7 +84,11 @@ class JobController:
     def _loop(self) -> None:
         sm = self._sm
         while not sm.state.terminal:
-            transition = sm.step()
+            try:
+                transition = sm.step()
+            except Exception as e:  # noqa: BLE001 - never leave a job without a live loop
+                log.exception("job %s: controller loop error", sm.job_id)
+                transition = sm.fail(f"controller loop error: {type(e).__name__}: {e}")
             if transition is None and not sm.state.terminal:
                 self._wake.wait(sm.options.poll_interval_s)
                 self._wake.clear()

@@ -130,7 +130,8 @@ class RankActor:
             "node_id": node_id,
             "node_name": str(labels.get("node_name") or f"{socket.gethostname()}-{node_id[:8]}"),
             "rack": str(labels.get("rack") or "default"),
-            "gpu": int(gpu_ids[0]) if gpu_ids else -1,
+            # Ray's ids are indices unless CUDA_VISIBLE_DEVICES names GPUs by UUID.
+            "gpu": int(gpu_ids[0]) if gpu_ids and str(gpu_ids[0]).isdigit() else -1,
             "ip": ray.util.get_node_ip_address(),
             "hostname": socket.gethostname(),
             "pid": os.getpid(),

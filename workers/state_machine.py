@@ -90,6 +90,7 @@ class ControllerOptions:
     poll_interval_s: float = 0.5
     hang_timeout_s: float = 60.0  # no progress from a rank after its first step (issue 6: seconds)
     startup_timeout_s: float = 300.0  # before a rank's first step: imports, model build, rendezvous
+    checkpoint_timeout_s: float = 600.0  # no-progress limit while a checkpoint is being saved
     reserve_timeout_s: float = 30.0
     start_timeout_s: float = 120.0
     rank_poll_timeout_s: float = 10.0
@@ -157,6 +158,7 @@ class ControllerStateMachine:
         self._ckpt_saved: dict[int, set[int]] = {}  # step -> ranks that reported it committed
         self._ckpt_open: int | None = None  # step whose save is under way
         self._attempt_step = 0
+        self._integrity: dict[str, Any] | None = None  # the engine's integrity error in this attempt
         self._pending_faults: list[dict[str, Any]] = [dict(f) for f in self.options.faults]
 
     # ---- the loop body ---------------------------------------------------------------------------
@@ -164,7 +166,10 @@ class ControllerStateMachine:
         if self.state.terminal:
             return None
         if self._cancel_reason is not None:
-            self.wg.shutdown()
+            try:
+                self.wg.shutdown()
+            except Exception:  # noqa: BLE001 - cancelled either way; the actors die with the controller
+                log.exception("job %s: worker group shutdown failed on cancel", self.job_id)
             self.reason = self._cancel_reason
             self._event("cancelled", self._cancel_reason)
             return self._to(ControllerState.CANCELLED, self._cancel_reason)
@@ -180,9 +185,11 @@ class ControllerStateMachine:
             return None
         try:
             self.wg.shutdown()
-        finally:
-            self.reason = reason
-            self._event("error", reason, **({"detail": detail} if detail else {}))
+        except Exception as e:  # noqa: BLE001 - the job fails either way; say why teardown failed too
+            log.exception("job %s: worker group shutdown failed", self.job_id)
+            detail = f"{detail or ''}\nshutdown failed: {type(e).__name__}: {e}".strip()
+        self.reason = reason
+        self._event("error", reason, **({"detail": detail} if detail else {}))
         return self._to(ControllerState.ERRORED, reason)
 
     def request_cancel(self, reason: str = "cancelled by user") -> None:
@@ -282,6 +289,7 @@ class ControllerStateMachine:
         self._ckpt_saved = {}
         self._ckpt_open = None
         self._attempt_step = 0
+        self._integrity = None
         self._resume = True  # every later start continues from the last checkpoint
         self._event("started", f"{len(actual)} ranks started (attempt {self.restarts + 1})",
                     placement=self.placement, attempt=self.restarts + 1)
@@ -354,9 +362,11 @@ class ControllerStateMachine:
                                     seconds=ev.get("seconds"))
                         if self._ckpt_open is not None and self._ckpt_open <= step:
                             self._ckpt_open = None
-                elif kind == "integrity_error" and rank == min(ev.get("ranks") or [rank]):
-                    self._event("integrity_error", ev.get("message", "integrity check failed"),
-                                **{k: ev.get(k) for k in ("error_kind", "step", "ranks", "evidence")})
+                elif kind == "integrity_error" and self._integrity is None:
+                    # Every rank raises the same agreed error; record it once.
+                    self._integrity = {k: ev.get(k) for k in ("error_kind", "step", "ranks", "evidence")}
+                    message = ev.get("message", "integrity check failed")
+                    self._event("integrity_error", message, **self._integrity)
                 elif kind == "fault_injected":
                     fault, at = ev.get("fault"), ev.get("step")
                     self._pending_faults = [
@@ -388,6 +398,13 @@ class ControllerStateMachine:
             return Failure(FailureKind.RANK_DIED, f"rank(s) {dead} died: {status.ranks[dead[0]].error}",
                            tuple(dead), self._nodes(dead), step)
         failed = status.in_state("failed")
+        if failed and self._integrity is not None:
+            # The engine's checks (NaN/Inf, loss spike, divergent DP replicas) name the ranks.
+            info = self._integrity
+            culprits = tuple(info.get("ranks") or failed)
+            return Failure(FailureKind.SDC, f"integrity check {info.get('error_kind')} failed at step "
+                           f"{info.get('step')} on rank(s) {list(culprits)}", culprits, self._nodes(culprits),
+                           info.get("step"), evidence=dict(info))
         if failed:
             first = status.ranks[failed[0]]
             return Failure(FailureKind.RANK_ERROR, f"rank(s) {failed} failed: {first.error}",
@@ -403,7 +420,7 @@ class ControllerStateMachine:
         stale = [
             r for r, s in status.ranks.items()
             if s.state == "running"
-            and s.since_progress_s > (o.hang_timeout_s if s.stepped else o.startup_timeout_s)
+            and s.since_progress_s > self._progress_timeout(s.stepped)
         ]
         if stale:
             # Everyone waits in the collective the hung rank never joined: blame the ranks that
@@ -413,9 +430,18 @@ class ControllerStateMachine:
             longest = max(status.ranks[r].since_progress_s for r in behind)
             culprits = sorted(r for r in behind if status.ranks[r].since_progress_s >= longest - 1.0)
             return Failure(FailureKind.HANG, f"no progress from rank(s) {culprits} for {longest:.0f}s "
-                           f"(timeout {o.hang_timeout_s:.0f}s)", tuple(culprits), self._nodes(culprits), step,
-                           evidence={"stale_ranks": stale})
+                           f"(timeout {self._progress_timeout(True):.0f}s)", tuple(culprits),
+                           self._nodes(culprits), step, evidence={"stale_ranks": stale})
         return None
+
+    def _progress_timeout(self, stepped: bool) -> float:
+        o = self.options
+        if not stepped:
+            return o.startup_timeout_s
+        # A save runs between two steps and may outlast the heartbeat timeout.
+        if self._ckpt_open is not None:
+            return max(o.hang_timeout_s, o.checkpoint_timeout_s)
+        return o.hang_timeout_s
 
     def _nodes(self, ranks: Collection[int]) -> tuple[str, ...]:
         return tuple(sorted({self._rank_node[r] for r in ranks if r in self._rank_node}))

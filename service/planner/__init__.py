@@ -20,6 +20,7 @@ from service.planner.formulas import (
     tp_bytes_per_layer,
 )
 from service.planner.hardware import GPU_CATALOG, GpuType, get_gpu
+from service.planner.layout_text import parse_layout
 from service.planner.presets import PRESETS, get_preset
 from service.planner.result import Plan
 from service.planner.search import DEFAULT_SCHEDULES, evaluate, plan
@@ -47,6 +48,7 @@ __all__ = [
     "get_preset",
     "model_state_bytes",
     "param_counts",
+    "parse_layout",
     "plan",
     "total_params",
     "tp_bytes_per_layer",

@@ -1,7 +1,7 @@
 """Parse a layout written as text, e.g. `tp=8,pp=4,dp=2,zero=1,mbs=1,m=8,schedule=1f1b,sp`.
 
-Accepts Layout's field names and the short names `Layout.describe()` prints (zero, mbs, m, v, sp),
-so a plan's layout line can be pasted back. Degrees left out are filled in from the cluster and
+Accepts Layout's field names and the short names a plan's layout line uses (zero, mbs, m, v, sp),
+so that line can be pasted back. Degrees left out are filled in from the cluster and
 the batch: dp = gpus / (tp cp pp), num_microbatches = global_batch / (dp mbs), schedule 1f1b when
 pp > 1.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.planner.costmodel import Combo, Micro, Stage, dp_exposed, finish
+from service.planner.costmodel import Combo, Env, Micro, Stage, dp_exposed, finish
 from service.planner.formulas import total_params
 from training.layout import Layout
 
@@ -24,6 +24,12 @@ _PART_WORDS = {
     "dp_exposed": "exposed data-parallel traffic",
     "optimizer": "a larger optimizer step",
 }
+
+
+def describe(layout: Layout) -> str:
+    """Layout.describe() plus the interleaving depth, so the text parses back to the same layout."""
+    text = layout.describe()
+    return text + f",v={layout.virtual_stages}" if layout.virtual_stages > 1 else text
 
 
 def fmt_bytes(nbytes: float) -> str:
@@ -127,7 +133,7 @@ class Plan:
     candidates_evaluated: int = 0
 
     @classmethod
-    def from_detail(cls, d: Detail, *, mode: str, env: Any) -> Plan:
+    def from_detail(cls, d: Detail, *, mode: str, env: Env) -> Plan:
         n = env.n
         step = d.step_time_s
         return cls(

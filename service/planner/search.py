@@ -19,7 +19,7 @@ from typing import Any
 from service.planner.costmodel import Combo, Env, Family, Micro, Stage, combine, finish
 from service.planner.errors import PlannerError
 from service.planner.formulas import V_SHAPED
-from service.planner.result import Detail, Plan, build_detail, fmt_bytes, why_slower
+from service.planner.result import Detail, Plan, build_detail, describe, fmt_bytes, why_slower
 from service.planner.specs import MAX_GPUS, ClusterSpec, TrainSpec
 from training.layout import MULTI_STAGE_SCHEDULES, SCHEDULES, Layout, LayoutError
 from training.spec import ModelSpec
@@ -104,8 +104,8 @@ def _better(a: Candidate, b: Candidate | None) -> bool:
         return True
     if a[0] > b[0]:
         return False
-    ka = (_comm_total(a), a[1], a[2], _layout(a[3], a[4], a[5], a[1]).describe())
-    kb = (_comm_total(b), b[1], b[2], _layout(b[3], b[4], b[5], b[1]).describe())
+    ka = (_comm_total(a), a[1], a[2], describe(_layout(a[3], a[4], a[5], a[1])))
+    kb = (_comm_total(b), b[1], b[2], describe(_layout(b[3], b[4], b[5], b[1])))
     return ka < kb
 
 
@@ -230,7 +230,7 @@ class _Search:
                             if mem > cap:
                                 if mem < lean:
                                     lean = mem
-                                    lean_desc = _layout(stage, micro, combo, z).describe()
+                                    lean_desc = describe(_layout(stage, micro, combo, z))
                                 continue
                             cand = (step, z, mem, stage, micro, combo)
                             if self.first_fit:
@@ -288,7 +288,8 @@ def _too_big_message(env: Env, search: _Search, zero_stages: Sequence[int], sche
         )
     return (
         msg
-        + f"; the smallest {env.gpu.name} cluster that fits is {smallest} GPUs ({smallest // c.gpn} nodes)"
+        + f"; the smallest {env.gpu.name} cluster that fits is {smallest} GPUs "
+        + (f"({smallest // c.node_size} nodes)" if smallest > c.node_size else "(one node)")
     )
 
 
@@ -305,7 +306,14 @@ def _smallest_fitting(env: Env, zero_stages: Sequence[int], schedules: Sequence[
     def fits(n: int) -> bool:
         return _fits(Env(env.model, env.train, c.with_gpus(n)), zero_stages, schedules, MAX_CANDIDATES // 20)
 
-    prev, n, hi = env.n, (env.n // gpn + 1) * gpn, None
+    if env.n < gpn:  # a partial node first: the rest of the node, one GPU at a time
+        for n in range(env.n + 1, gpn + 1):
+            if fits(n):
+                return n
+        prev, n = gpn, 2 * gpn
+    else:
+        prev, n = env.n, (env.n // gpn + 1) * gpn
+    hi = None
     while n <= MAX_GPUS:
         if fits(n):
             hi = n
@@ -348,19 +356,17 @@ def plan(
     result = Plan.from_detail(detail, mode="search", env=env)
     result.candidates_evaluated = search.evaluated
     result.rejected = search.rejected
-    others = sorted((c for k, c in search.fam_best.items() if k != stage.fam.key()), key=lambda c: c[0])[
-        :top_k
-    ]
-    for c in others:
+    others = [c for k, c in search.fam_best.items() if k != stage.fam.key()]
+    for c in sorted(others, key=lambda c: c[0])[:top_k]:
         d = build_detail(c[3], c[4], c[5], c[1], _layout(c[3], c[4], c[5], c[1]))
         result.alternatives.append(_alternative(env, d, detail))
-    result.reasons = _explain(env, detail, result, search, zs, schs)
+    result.reasons = _explain(env, detail, result, search, zs)
     log.debug(
         "planned %s on %d %s: %s in %d candidates",
         model.name,
         env.n,
         env.gpu.name,
-        detail.layout.describe(),
+        describe(detail.layout),
         search.evaluated,
     )
     return result
@@ -380,7 +386,7 @@ def _alternative(env: Env, d: Detail, best: Detail) -> dict[str, Any]:
     slower = d.step_time_s / best.step_time_s - 1.0
     return {
         "layout": d.layout.to_dict(),
-        "describe": d.layout.describe(),
+        "describe": describe(d.layout),
         "step_time_s": d.step_time_s,
         "mfu": env.flops_per_step / (d.step_time_s * env.gpu.peak_flops * env.n),
         "memory_total_bytes": int(round(d.memory["total"])),
@@ -402,16 +408,14 @@ def _variant_note(env: Env, base: Detail, label: str, layout: Layout) -> str | N
     if d.step_time_s == base.step_time_s:
         if extra > 0:
             return f"{label}: same step time, {fmt_bytes(extra)} more memory"
-        return f"{label}: same step time and no less traffic"
+        return f"{label}: same step time, lost the tie-break (less traffic, then lower ZeRO stage)"
     return None
 
 
-def _explain(
-    env: Env, d: Detail, p: Plan, search: _Search, zs: Sequence[int], schs: Sequence[str]
-) -> list[str]:
+def _explain(env: Env, d: Detail, p: Plan, search: _Search, zs: Sequence[int]) -> list[str]:
     lay = d.layout
     out = [
-        f"chosen {lay.describe()}: {p.step_time_s:.4g} s/step, MFU {p.mfu:.1%}, "
+        f"chosen {describe(lay)}: {p.step_time_s:.4g} s/step, MFU {p.mfu:.1%}, "
         f"{fmt_bytes(d.memory['total'])} of {fmt_bytes(env.capacity)} per GPU; "
         f"best of {search.evaluated} candidates "
         f"in {search.families} tp x cp x pp x dp families"
@@ -514,7 +518,7 @@ def evaluate(
     result = Plan.from_detail(d, mode="evaluate", env=env)
     result.candidates_evaluated = 1
     reasons = [
-        f"evaluated {layout.describe()}: {result.step_time_s:.4g} s/step, MFU {result.mfu:.1%}, "
+        f"evaluated {describe(layout)}: {result.step_time_s:.4g} s/step, MFU {result.mfu:.1%}, "
         f"{fmt_bytes(d.memory['total'])} of {fmt_bytes(env.capacity)} per GPU"
     ]
     if not d.fits:
@@ -540,7 +544,7 @@ def evaluate(
             best = plan(model, train, cluster, top_k=0)
             faster = result.step_time_s / best.step_time_s - 1.0
             reasons.append(
-                f"the search's best layout {best.layout.describe()} predicts {best.step_time_s:.4g} s/step; "
+                f"the search's best layout {describe(best.layout)} predicts {best.step_time_s:.4g} s/step; "
                 f"this layout is {faster:.1%} slower"
             )
         except PlannerError as e:

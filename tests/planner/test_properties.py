@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.planner import GPU_CATALOG, ClusterSpec, ModelSpec, PlannerError, TrainSpec, evaluate, plan
+from service.planner import (
+    GPU_CATALOG,
+    ClusterSpec,
+    ModelSpec,
+    PlannerError,
+    TrainSpec,
+    evaluate,
+    get_preset,
+    plan,
+)
+from service.planner.reference import reference_best
 from service.planner.search import INTERLEAVE_DEPTHS
 
 REAL_GPUS = [name for name in GPU_CATALOG if name != "cpu-virtual"]
@@ -83,3 +94,23 @@ def test_every_plan_satisfies_every_constraint(
     assert again.memory_per_gpu_bytes == p.memory_per_gpu_bytes
     assert again.comm_bytes_per_step == p.comm_bytes_per_step
     assert again.bubble_fraction == p.bubble_fraction
+
+
+@pytest.mark.parametrize(
+    "preset,batch,gpu,gpus,per_node",
+    [
+        ("demo", 8, "cpu-virtual", 8, 4),
+        ("tiny", 16, "cpu-virtual", 8, 4),
+        ("gpt2-small", 64, "A100-40GB", 16, 8),
+        ("llama3-8b", 32, "H100-80GB", 16, 8),
+    ],
+)
+def test_pruned_search_finds_the_brute_force_optimum(
+    preset: str, batch: int, gpu: str, gpus: int, per_node: int
+):
+    model = get_preset(preset)
+    train, cluster = TrainSpec(batch, model.seq_len), ClusterSpec(gpu, gpus, per_node)
+    best, best_t, count = reference_best(model, train, cluster)
+    p = plan(model, train, cluster)
+    assert best is not None and count > p.candidates_evaluated
+    assert p.step_time_s == best_t

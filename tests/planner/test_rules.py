@@ -78,3 +78,11 @@ def test_demo_model_on_the_virtual_cluster_uses_tp_pp_and_dp():
     assert p.layout.tp > 1 and p.layout.pp > 1 and p.layout.dp > 1
     assert (p.layout.tp, p.layout.pp, p.layout.dp, p.layout.cp) == (2, 2, 2, 1)
     assert p.fits
+
+
+def test_moe_model_uses_expert_parallel_not_tp():
+    """DeepSeek-V3 / Yi-Lightning style: experts spread over EP, no TP needed for the expert layers."""
+    p = plan(get_preset("mixtral-8x7b"), TrainSpec(256, 4096), ClusterSpec(H100, 64))
+    assert p.layout.ep > 1
+    assert p.layout.tp == 1
+    assert p.comm_bytes_per_step["ep"] > 0

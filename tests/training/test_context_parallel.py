@@ -30,14 +30,17 @@ from training.context_parallel import (
 TOL = 1e-5
 Results = list[dict[str, dict[str, float]]]
 
-# name -> (cp, batch, q heads, kv heads, seq, head dim, causal, load_balance); cp=2 cases run per subgroup.
-CASES: dict[str, tuple[int, int, int, int, int, int, bool, bool]] = {
-    "cp4_causal": (4, 2, 4, 4, 32, 8, True, True),
-    "cp4_noncausal": (4, 2, 4, 4, 32, 8, False, True),
-    "cp4_causal_gqa": (4, 2, 6, 2, 32, 8, True, True),
-    "cp4_causal_contiguous": (4, 1, 2, 1, 24, 8, True, False),
-    "cp2_causal": (2, 2, 0, 0, 40, 8, True, True),  # heads set per subgroup below
-    "cp2_noncausal": (2, 2, 0, 0, 40, 8, False, True),
+# name -> (cp, batch, q heads, kv heads, seq, head dim, causal, load_balance, block kernel);
+# cp=2 cases run once per subgroup. "auto" is torch's fused CPU flash kernel here; "math" the einsum path.
+CASES: dict[str, tuple[int, int, int, int, int, int, bool, bool, str]] = {
+    "cp4_causal": (4, 2, 4, 4, 32, 8, True, True, "auto"),
+    "cp4_noncausal": (4, 2, 4, 4, 32, 8, False, True, "auto"),
+    "cp4_causal_gqa": (4, 2, 6, 2, 32, 8, True, True, "auto"),
+    "cp4_causal_gqa_math": (4, 2, 6, 2, 32, 8, True, True, "math"),
+    "cp4_causal_contiguous": (4, 1, 2, 1, 24, 8, True, False, "auto"),
+    "cp2_causal": (2, 2, 0, 0, 40, 8, True, True, "auto"),  # heads set per subgroup below
+    "cp2_noncausal": (2, 2, 0, 0, 40, 8, False, True, "auto"),
+    "cp2_causal_math": (2, 2, 0, 0, 40, 8, True, True, "math"),
 }
 SUBGROUP_HEADS = {0: (3, 1), 1: (2, 2)}  # subgroup index -> (q heads, kv heads)
 
@@ -52,14 +55,14 @@ def _case_tensors(seed: int, b: int, hq: int, hkv: int, s: int, d: int) -> tuple
 
 
 def _run_case(seed: int, group: Any, cp_rank: int, cp: int, b: int, hq: int, hkv: int, s: int, d: int,
-              causal: bool, lb: bool) -> dict[str, float]:
+              causal: bool, lb: bool, kernel: str) -> dict[str, float]:
     q, k, v, w = _case_tensors(seed, b, hq, hkv, s, d)
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*ref_in, is_causal=causal, enable_gqa=hq != hkv)
     (ref * w).sum().backward()
 
     local = [shard_sequence(t, cp_rank, cp, dim=2, load_balance=lb).requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*local, group, causal=causal, load_balance=lb)
+    out = ring_attention(*local, group, causal=causal, load_balance=lb, kernel=kernel)
     (out * shard_sequence(w, cp_rank, cp, dim=2, load_balance=lb)).sum().backward()
 
     def err(mine: torch.Tensor, full: torch.Tensor) -> float:
@@ -78,14 +81,14 @@ def _cp_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
     torch.manual_seed(0)
     halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
     results: dict[str, dict[str, float]] = {}
-    for seed, (name, (cp, b, hq, hkv, s, d, causal, lb)) in enumerate(CASES.items()):
+    for seed, (name, (cp, b, hq, hkv, s, d, causal, lb, kernel)) in enumerate(CASES.items()):
         if cp == 4:
-            results[name] = _run_case(seed, None, rank, 4, b, hq, hkv, s, d, causal, lb)
+            results[name] = _run_case(seed, None, rank, 4, b, hq, hkv, s, d, causal, lb, kernel)
         else:
             sub = rank // 2
             hq, hkv = SUBGROUP_HEADS[sub]
             results[f"{name}_group{sub}_heads{hq}"] = _run_case(
-                100 * sub + seed, halves[sub], rank % 2, 2, b, hq, hkv, s, d, causal, lb
+                100 * sub + seed, halves[sub], rank % 2, 2, b, hq, hkv, s, d, causal, lb, kernel
             )
     return results
 
@@ -142,6 +145,8 @@ def test_bad_lengths_and_shapes_are_rejected() -> None:
         ring_attention(torch.zeros(1, 3, 4, 2), kv, kv, None, causal=True)
     with pytest.raises(ContextParallelError, match="cp_rank"):
         cp_chunk_ids(4, 4)
+    with pytest.raises(ContextParallelError, match="kernel must be one of"):
+        ring_attention(kv, kv, kv, None, causal=False, kernel="flash")
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4, 8])
@@ -164,13 +169,18 @@ def test_load_balanced_causal_work_is_even(cp: int) -> None:
     assert len(set(contiguous)) == cp, contiguous  # the imbalance that the two-chunk layout removes
 
 
+@pytest.mark.parametrize("kernel", ["fused", "math"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_single_rank_ring_matches_sdpa_and_gradcheck(causal: bool) -> None:
+def test_single_rank_ring_matches_sdpa_and_gradcheck(causal: bool, kernel: str) -> None:
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 4, 8, 4, dtype=torch.float64, generator=g, requires_grad=True)
     k = torch.randn(1, 2, 8, 4, dtype=torch.float64, generator=g, requires_grad=True)
     v = torch.randn(1, 2, 8, 4, dtype=torch.float64, generator=g, requires_grad=True)
-    out = ring_attention(q, k, v, None, causal=causal)
+    out = ring_attention(q, k, v, None, causal=causal, kernel=kernel)
     ref = cp_attention(q, k, v, None, causal=causal)  # no group: plain SDPA
     torch.testing.assert_close(out, ref)
-    assert torch.autograd.gradcheck(lambda a, b, c: ring_attention(a, b, c, None, causal=causal), (q, k, v))
+
+    def attn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return ring_attention(a, b, c, None, causal=causal, kernel=kernel)
+
+    assert torch.autograd.gradcheck(attn, (q, k, v))

@@ -316,6 +316,29 @@ def test_unresponsive_rank_is_a_hang_only_after_the_timeout():
     assert failure["kind"] == "hang" and failure["ranks"] == [2]
 
 
+def test_an_integrity_error_is_an_sdc_failure_blaming_the_ranks_the_engine_named():
+    sm, wg, _ = to_running()
+    err = {"kind": "integrity_error", "error_kind": "divergent_replicas", "step": 3, "ranks": [2],
+           "evidence": {"dp_group": [0, 2]}, "message": "divergent_replicas at step 3 on ranks [2]"}
+    wg.push(running(4, state={r: "failed" for r in range(4)}, error={r: "IntegrityError" for r in range(4)},
+                    events={r: [dict(err, rank=r)] for r in range(4)}))
+    assert sm.step().to_state == S.RECOVERING
+    assert [e["error_kind"] for e in sm.events if e["kind"] == "integrity_error"] == ["divergent_replicas"]
+    failure = [e for e in sm.events if e["kind"] == "failure"][0]["failure"]
+    assert failure["kind"] == "sdc" and failure["ranks"] == [2] and failure["step"] == 3
+    assert failure["nodes"] == [wg.reserved.ranks[2].node_name]
+
+
+def test_a_long_checkpoint_save_is_not_a_hang():
+    sm, wg, _ = to_running()
+    wg.push(running(4, events=step_events(4, 2, 3.0)))
+    assert sm.step().to_state == S.CHECKPOINTING
+    wg.push(running(4, since_progress_s={r: 120.0 for r in range(4)}))
+    assert sm.step() is None  # 120s > hang timeout (60s) but < checkpoint timeout (600s)
+    wg.push(running(4, since_progress_s={r: 601.0 for r in range(4)}))
+    assert sm.step().to_state == S.RECOVERING
+
+
 def test_failure_while_checkpointing_recovers():
     sm, wg, _ = to_running()
     wg.push(running(4, events=step_events(4, 2, 3.0)))

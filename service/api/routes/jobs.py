@@ -23,7 +23,9 @@ from service.schemas import (
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-JobId = Annotated[str, Path(min_length=1, max_length=64, description="Job id.", examples=["01JABCDEF0123456789ABCDEFG"])]
+JobId = Annotated[
+    str, Path(pattern=r"^[0-9A-Za-z]{1,64}$", description="Job id.", examples=["01JABCDEF0123456789ABCDEFG"])
+]
 IdempotencyKey = Annotated[
     str | None,
     Header(
@@ -74,7 +76,9 @@ def list_jobs(
     principal: CurrentPrincipal,
     state: Annotated[list[JobStateName] | None, Query(description="Only jobs in these states.")] = None,
     tenant: Annotated[
-        str | None, Query(max_length=64, description="Only this tenant's jobs (admin; users see their own).")
+        str | None,
+        Query(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+              description="Only this tenant's jobs (admin; users see their own)."),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=500, description="Page size.")] = 50,
     cursor: Annotated[

@@ -1,0 +1,76 @@
+"""The unpruned reference search: every valid layout, each predicted on its own through `evaluate`.
+
+Slow (no hoisting, no pruning); the tests and bench/planner.py use it to check that the real search
+finds the same best step time, and to measure how much the hoisting and pruning buy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from service.planner.costmodel import Env
+from service.planner.search import (
+    DEFAULT_SCHEDULES,
+    MAX_MICRO_BATCH,
+    MIN_CP_TOKENS,
+    RECOMPUTE,
+    _detail_for,
+    _divisors,
+    _schedule_options,
+)
+from service.planner.specs import ClusterSpec, TrainSpec
+from training.layout import Layout
+from training.spec import ModelSpec
+
+
+def valid_layouts(
+    model: ModelSpec,
+    train: TrainSpec,
+    cluster: ClusterSpec,
+    zero_stages: Sequence[int] = (0, 1, 2, 3),
+    schedules: Sequence[str] = DEFAULT_SCHEDULES,
+) -> Iterator[Layout]:
+    """Every layout the search's rules allow (dense models), in no particular order."""
+    n, gpn, rack = cluster.num_gpus, cluster.gpn, cluster.rack_size
+    s, g = train.seq_len, train.global_batch
+    for tp in _divisors(gpn):
+        if model.heads % tp or model.n_kv_heads % tp or n % tp:
+            continue
+        for cp in _divisors(n // tp):
+            if s % cp or (cp > 1 and s // cp < MIN_CP_TOKENS):
+                continue
+            if n > rack and (tp * cp > rack or rack % (tp * cp)):
+                continue
+            for pp in _divisors(n // (tp * cp)):
+                dp = n // (tp * cp * pp)
+                if pp > model.layers or dp > g or g % dp:
+                    continue
+                for mbs in _divisors(g // dp):
+                    if mbs > MAX_MICRO_BATCH:
+                        continue
+                    m = g // dp // mbs
+                    for schedule, v in _schedule_options(pp, m, model.layers, schedules):
+                        for sp in (True, False) if tp > 1 else (False,):
+                            for rc in RECOMPUTE:
+                                for z in zero_stages:
+                                    yield Layout(
+                                        tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=z, micro_batch_size=mbs,
+                                        num_microbatches=m, schedule=schedule, sequence_parallel=sp,
+                                        recompute=rc, virtual_stages=v,
+                                    )  # fmt: skip
+
+
+def reference_best(
+    model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, zero_stages: Sequence[int] = (0, 1, 2, 3)
+) -> tuple[Layout | None, float, int]:
+    """(fastest fitting layout, its step time, layouts evaluated) by brute force."""
+    env = Env(model, train, cluster)
+    best: Layout | None = None
+    best_t = float("inf")
+    count = 0
+    for layout in valid_layouts(model, train, cluster, zero_stages):
+        count += 1
+        d = _detail_for(env, layout)
+        if d.fits and d.step_time_s < best_t:
+            best, best_t = layout, d.step_time_s
+    return best, best_t, count
