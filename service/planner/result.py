@@ -28,8 +28,7 @@ _PART_WORDS = {
 
 def describe(layout: Layout) -> str:
     """Layout.describe() plus the interleaving depth, so the text parses back to the same layout."""
-    text = layout.describe()
-    return text + f",v={layout.virtual_stages}" if layout.virtual_stages > 1 else text
+    return layout.describe()
 
 
 def fmt_bytes(nbytes: float) -> str:
