@@ -100,7 +100,10 @@ def _measure(attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, steps
 
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, float]:
     q, k, v = (shard_sequence(t, rank, world, dim=2) for t in _inputs(cfg))
-    res = _measure(lambda a, b, c: ring_attention(a, b, c, None, causal=True), q, k, v, cfg["steps"])
+    def attn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return ring_attention(a, b, c, None, causal=True, kernel=cfg["kernel"])
+
+    res = _measure(attn, q, k, v, cfg["steps"])
     keys = sorted(res)
     worst = torch.tensor([res[key] for key in keys], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -129,6 +132,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--cps", default="1,2,4")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--kernel", default="auto", choices=["auto", "fused", "math"], help="per-block attention")
     args = ap.parse_args()
     cfg = {
         "seq": args.seq,
@@ -137,10 +141,12 @@ def main() -> None:
         "kv_heads": args.kv_heads,
         "head_dim": args.head_dim,
         "steps": args.steps,
+        "kernel": args.kernel,
     }
     print(f"# bench.cp  {machine()}")
     shape = f"B={args.batch} S={args.seq} Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim}"
-    print(f"# causal, fp32, {shape}, median of {args.steps} steps after 1 warm-up; MiB = 2^20 bytes")
+    print(f"# causal, fp32, {shape}, block kernel {args.kernel}, median of {args.steps} steps"
+          " after 1 warm-up; MiB = 2^20 bytes")
 
     rows: list[list[Any]] = []
     mib = 2.0**20

@@ -184,3 +184,16 @@ def test_single_rank_ring_matches_sdpa_and_gradcheck(causal: bool, kernel: str) 
         return ring_attention(a, b, c, None, causal=causal, kernel=kernel)
 
     assert torch.autograd.gradcheck(attn, (q, k, v))
+
+
+@pytest.mark.parametrize("kernel", ["fused", "math"])
+def test_bf16_inputs_accumulate_in_fp32(kernel: str) -> None:
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 4, 16, 8, generator=g) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*low, None, causal=True, kernel=kernel)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in low)
+    assert (out.float() - ref).abs().max().item() < 3e-2
