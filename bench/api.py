@@ -79,7 +79,10 @@ class Service:
         log = open(self.home / "serve.log", "w")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "service", "serve", "--port", str(self.port)],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 90
         while True:
@@ -154,21 +157,33 @@ def report(backend: str, rate: float, stats: dict[str, OpStats]) -> None:
         print(
             f"{backend:<10} {op:<6} offered {rate / 2:6.0f}/s  ok {n:6d}  errors {s.errors:4d}  "
             f"throughput {n / wall:7.1f}/s  p50 {percentile(s.latencies, 0.5) * 1e3:7.2f} ms  "
-            f"p99 {percentile(s.latencies, 0.99) * 1e3:7.2f} ms  mean {statistics.fmean(s.latencies) * 1e3:7.2f} ms"
-            if n else f"{backend:<10} {op:<6} no successful requests ({s.errors} errors)"
+            f"p99 {percentile(s.latencies, 0.99) * 1e3:7.2f} ms  "
+            f"mean {statistics.fmean(s.latencies) * 1e3:7.2f} ms"
+            if n
+            else f"{backend:<10} {op:<6} no successful requests ({s.errors} errors)"
         )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate", type=float, default=200.0, help="Requests per second (half submits, half gets).")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--rate", type=float, default=200.0, help="Requests per second (half submits, half gets)."
+    )
     parser.add_argument("--duration", type=float, default=20.0, help="Seconds of load per backend.")
-    parser.add_argument("--backends", default="sqlite,postgresql", help="Comma-separated: sqlite, postgresql.")
-    parser.add_argument("--postgres-url", default=DEFAULT_POSTGRES, help="PostgreSQL server (a schema is created).")
+    parser.add_argument(
+        "--backends", default="sqlite,postgresql", help="Comma-separated: sqlite, postgresql."
+    )
+    parser.add_argument(
+        "--postgres-url", default=DEFAULT_POSTGRES, help="PostgreSQL server (a schema is created)."
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(f"lattice API bench: {args.rate:.0f} req/s for {args.duration:.0f} s per backend, "
-          f"open loop, submits and gets alternating; {os.cpu_count()} CPUs")
+    print(
+        f"lattice API bench: {args.rate:.0f} req/s for {args.duration:.0f} s per backend, "
+        f"open loop, submits and gets alternating; {os.cpu_count()} CPUs"
+    )
     for backend in args.backends.split(","):
         with Service(backend, args.postgres_url) as service:
             stats = asyncio.run(drive(service.url, service.token, args.rate, args.duration, args.seed))

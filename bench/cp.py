@@ -100,6 +100,7 @@ def _measure(attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, steps
 
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, float]:
     q, k, v = (shard_sequence(t, rank, world, dim=2) for t in _inputs(cfg))
+
     def attn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         return ring_attention(a, b, c, None, causal=True, kernel=cfg["kernel"])
 
@@ -145,8 +146,10 @@ def main() -> None:
     }
     print(f"# bench.cp  {machine()}")
     shape = f"B={args.batch} S={args.seq} Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim}"
-    print(f"# causal, fp32, {shape}, block kernel {args.kernel}, median of {args.steps} steps"
-          " after 1 warm-up; MiB = 2^20 bytes")
+    print(
+        f"# causal, fp32, {shape}, block kernel {args.kernel}, median of {args.steps} steps"
+        " after 1 warm-up; MiB = 2^20 bytes"
+    )
 
     rows: list[list[Any]] = []
     mib = 2.0**20

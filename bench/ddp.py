@@ -5,9 +5,10 @@
 
 Variants: no communication (compute only: the floor), naive (one blocking all-reduce per parameter
 after backward), flat (one all-reduce of every gradient), per-parameter overlapped (bucket None),
-bucketed at each --buckets size, and torch DDP (bucket_cap_mb=25). Each round builds every variant
-afresh and times --steps steps after one warm-up step; rounds interleave the variants so that a
-change in machine load hits them alike. A step's time is the slowest rank's (all-reduce MAX).
+bucketed at each --buckets size, and torch DDP (bucket_cap_mb=25, broadcast_buffers=False). Each
+round builds every variant afresh and times --steps steps after one warm-up step; rounds interleave
+the variants so that a change in machine load hits them alike. A step's time is the slowest
+rank's (all-reduce MAX).
 
 Columns: median step time; time in `finish_gradient_synchronization` (the communication the
 backward pass did not hide; torch DDP waits inside backward, so it has none here); comm overhead
@@ -47,8 +48,12 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     device = bench_device(rank)
     model, loss_fn, vocab = build_bench_model(seed=0, device=device)
     torch_model, _, _ = build_bench_model(seed=0, device=device)
+    # broadcast_buffers=False: like ours, sync buffers once at construction, not before every forward.
     torch_ddp = nn.parallel.DistributedDataParallel(
-        torch_model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=25
+        torch_model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=25,
+        broadcast_buffers=False,
     )
     n_params = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(1 + rank)
@@ -130,9 +135,9 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--buckets", type=float, nargs="+", default=[1, 5, 10, 25, 50, 100])
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all variants")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per variant per round (+1 warm-up)")
-    ap.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
-    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per variant per round (+1 warm-up)")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
+    ap.add_argument("--seq", type=int, default=32)
     args = ap.parse_args()
     cfg = {
         "buckets": args.buckets,

@@ -177,7 +177,7 @@ def report(world: int, plain: dict[str, Any], zero: dict[str, Any]) -> list[str]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--steps", type=int, default=3, help="timed steps (after 1 warm-up)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (after 1 warm-up)")
     ap.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
     ap.add_argument("--seq", type=int, default=32)
     args = ap.parse_args()

@@ -54,11 +54,16 @@ def generate_token() -> str:
     return TOKEN_PREFIX + secrets.token_urlsafe(32)
 
 
-def create_token(session: Session, *, tenant: str, admin: bool = False, description: str | None = None) -> str:
+def create_token(
+    session: Session, *, tenant: str, admin: bool = False, description: str | None = None
+) -> str:
     """Create a token (and its tenant if new); returns the plaintext token, which is not stored."""
     token = generate_token()
     tenant_store.add_token(
-        session, tenant=tenant, role=Role.ADMIN if admin else Role.USER, token_hash=hash_token(token),
+        session,
+        tenant=tenant,
+        role=Role.ADMIN if admin else Role.USER,
+        token_hash=hash_token(token),
         description=description,
     )
     return token

@@ -24,7 +24,7 @@ from rich.table import Table
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from service.cli_client import TERMINAL, CliError, Client
+from service.cli_client import TERMINAL, Client, CliError
 from service.settings import Settings, describe_settings
 
 out = Console(highlight=False)
@@ -71,8 +71,12 @@ def _settings() -> Settings:
 @app.callback()
 def main(
     ctx: typer.Context,
-    server: Annotated[str | None, typer.Option(help="Server URL (else LATTICE_SERVER, else .lattice/server).")] = None,
-    token: Annotated[str | None, typer.Option(help="Bearer token (else LATTICE_TOKEN, else .lattice/token).")] = None,
+    server: Annotated[
+        str | None, typer.Option(help="Server URL (else LATTICE_SERVER, else .lattice/server).")
+    ] = None,
+    token: Annotated[
+        str | None, typer.Option(help="Bearer token (else LATTICE_TOKEN, else .lattice/token).")
+    ] = None,
 ) -> None:
     ctx.obj = {"server": server, "token": token}
 
@@ -123,7 +127,9 @@ def serve(
     settings = _settings()
     updates = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
     settings = settings.model_copy(update=updates)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("alembic").setLevel(max(logging.WARNING, logging.getLogger().level))
     settings.home.mkdir(parents=True, exist_ok=True)
     try:
@@ -137,8 +143,11 @@ def serve(
     settings.server_file.write_text(f"http://{client_host}:{settings.port}\n")
     out.print(f"Lattice listening on http://{settings.host}:{settings.port}")
     uvicorn.run(
-        create_app(settings, engine=engine), host=settings.host, port=settings.port,
-        log_level=settings.log_level.lower(), access_log=settings.log_level.lower() == "debug",
+        create_app(settings, engine=engine),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        access_log=settings.log_level.lower() == "debug",
     )
 
 
@@ -154,7 +163,9 @@ def load_spec_file(path: Path) -> dict[str, Any]:
         kind = "JSON" if path.suffix == ".json" else "YAML"
         raise CliError(f"{path} is not valid {kind}: {' '.join(str(e).split())}") from e
     if not isinstance(data, dict):
-        raise CliError(f"{path} must contain a job spec mapping (name, model, train, ...), got {type(data).__name__}")
+        raise CliError(
+            f"{path} must contain a job spec mapping (name, model, train, ...), got {type(data).__name__}"
+        )
     return data
 
 
@@ -179,9 +190,13 @@ def submit(
 def watch_job(client: Client, job_id: str, interval: float) -> int:
     """Show a progress bar until the job finishes; 0 if it succeeded, 1 otherwise."""
     columns = (
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-        TextColumn("{task.fields[state]}"), TimeElapsedColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[tps]} tok/s"),
+        TextColumn("{task.fields[state]}"),
+        TimeElapsedColumn(),
     )
     failures = 0
     with Progress(*columns, console=out, transient=False) as progress:
@@ -198,7 +213,10 @@ def watch_job(client: Client, job_id: str, interval: float) -> int:
                 continue
             p = job["progress"]
             progress.update(
-                task, total=p["total_steps"] or None, completed=p["step"], state=job["state"],
+                task,
+                total=p["total_steps"] or None,
+                completed=p["step"],
+                state=job["state"],
                 loss=f"{p['loss']:.4f}" if p["loss"] is not None else "-",
                 tps=f"{p['tokens_per_s']:.0f}" if p["tokens_per_s"] is not None else "-",
             )
@@ -242,8 +260,15 @@ def jobs(
     for j in items:
         p = j["progress"]
         loss = f"{p['loss']:.4f}" if p["loss"] is not None else "-"
-        table.add_row(j["id"], j["name"], j["tenant"], j["state"], f"{p['step']}/{p['total_steps']}", loss,
-                      j["created_at"][:16].replace("T", " "))
+        table.add_row(
+            j["id"],
+            j["name"],
+            j["tenant"],
+            j["state"],
+            f"{p['step']}/{p['total_steps']}",
+            loss,
+            j["created_at"][:16].replace("T", " "),
+        )
     out.print(table)
 
 
@@ -262,12 +287,17 @@ def status(
     p = job["progress"]
     table = Table(show_header=False, box=None)
     rows = [
-        ("id", job["id"]), ("name", job["name"]), ("tenant", job["tenant"]), ("state", job["state"]),
-        ("priority", str(job["priority"])), ("attempt", str(job["attempt"])),
+        ("id", job["id"]),
+        ("name", job["name"]),
+        ("tenant", job["tenant"]),
+        ("state", job["state"]),
+        ("priority", str(job["priority"])),
+        ("attempt", str(job["attempt"])),
         ("progress", f"{p['step']}/{p['total_steps']}"),
         ("loss", "-" if p["loss"] is None else f"{p['loss']:.4f}"),
         ("tokens/s", "-" if p["tokens_per_s"] is None else f"{p['tokens_per_s']:.0f}"),
-        ("layout", _layout_text(job.get("plan"))), ("created", job["created_at"]),
+        ("layout", _layout_text(job.get("plan"))),
+        ("created", job["created_at"]),
     ]
     if job.get("error"):
         rows.append(("error", job["error"]))
@@ -303,7 +333,9 @@ def events(
     page = _client(ctx).request("GET", f"/v1/jobs/{job_id}/events", params={"after": after, "limit": limit})
     table = Table("SEQ", "TIME", "TYPE", "PAYLOAD")
     for e in page["items"]:
-        table.add_row(str(e["seq"]), e["time"][:23], e["type"], json.dumps(e["payload"], separators=(",", ":")))
+        table.add_row(
+            str(e["seq"]), e["time"][:23], e["type"], json.dumps(e["payload"], separators=(",", ":"))
+        )
     out.print(table)
 
 

@@ -43,7 +43,9 @@ class Client:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.TimeoutException as e:
-            raise CliError(f"the Lattice server at {self.server} did not answer in time ({type(e).__name__})") from e
+            raise CliError(
+                f"the Lattice server at {self.server} did not answer in time ({type(e).__name__})"
+            ) from e
         except httpx.TransportError as e:
             reason = str(e) or type(e).__name__
             raise CliError(

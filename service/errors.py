@@ -56,7 +56,8 @@ class IllegalTransition(Conflict):
     def __init__(self, job_id: str, from_state: str, to_state: str, allowed: tuple[str, ...]) -> None:
         allowed_text = ", ".join(allowed) if allowed else "none (terminal state)"
         super().__init__(
-            f"job {job_id!r} cannot go from {from_state!r} to {to_state!r}; allowed from {from_state!r}: {allowed_text}"
+            f"job {job_id!r} cannot go from {from_state!r} to {to_state!r}; "
+            f"allowed from {from_state!r}: {allowed_text}"
         )
         self.job_id = job_id
         self.from_state = from_state

@@ -34,7 +34,9 @@ _MAX_COUNT = 1_000_000_000
 _MAX_DEGREE = 1 << 20
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\- ]*$"
 
-JobStateName = Literal["pending", "queued", "starting", "running", "recovering", "succeeded", "failed", "cancelled"]
+JobStateName = Literal[
+    "pending", "queued", "starting", "running", "recovering", "succeeded", "failed", "cancelled"
+]
 
 
 class _Strict(BaseModel):
@@ -46,7 +48,9 @@ class _Strict(BaseModel):
 # ---- model -------------------------------------------------------------------------------------
 class ModelPreset(_Strict):
     preset: str = Field(
-        min_length=1, max_length=64, description="Name of a model preset known to the planner.",
+        min_length=1,
+        max_length=64,
+        description="Name of a model preset known to the planner.",
         examples=["demo", "gpt2-small", "llama3-8b"],
     )
 
@@ -60,14 +64,18 @@ class ModelConfig(_Strict):
     vocab: int = Field(ge=1, le=100_000_000, description="Vocabulary size.")
     seq_len: int = Field(ge=1, le=100_000_000, description="Sequence length in tokens.")
     kv_heads: int | None = Field(None, ge=1, le=65_536, description="Key/value heads (GQA); unset = heads.")
-    ffn: int | None = Field(None, ge=1, le=_MAX_DEGREE * 8, description="MLP width; unset = derived from hidden.")
+    ffn: int | None = Field(
+        None, ge=1, le=_MAX_DEGREE * 8, description="MLP width; unset = derived from hidden."
+    )
     tied_embeddings: bool = Field(False, description="Share input embedding and output projection.")
     activation: Literal["swiglu", "gelu"] = Field("swiglu", description="MLP activation (Llama or GPT-2).")
     norm_eps: float = Field(1e-5, gt=0, le=1, description="Normalisation epsilon.")
     rope_theta: float = Field(10000.0, gt=0, le=1e12, description="RoPE base.")
     num_experts: int = Field(0, ge=0, le=65_536, description="MoE experts; 0 = dense.")
     top_k: int = Field(2, ge=1, le=65_536, description="Experts per token (MoE).")
-    expert_ffn: int | None = Field(None, ge=1, le=_MAX_DEGREE * 8, description="Expert MLP width; unset = ffn.")
+    expert_ffn: int | None = Field(
+        None, ge=1, le=_MAX_DEGREE * 8, description="Expert MLP width; unset = ffn."
+    )
     capacity_factor: float = Field(1.25, gt=0, le=64, description="MoE expert capacity factor.")
     name: str = Field("custom", min_length=1, max_length=64, description="Label for the model.")
 
@@ -93,15 +101,19 @@ def _model_kind(value: Any) -> str:
 
 ModelField = Annotated[
     Annotated[ModelPreset, Tag("by_preset")] | Annotated[ModelConfig, Tag("explicit")],
-    Discriminator(_model_kind, custom_error_type="model_kind",
-                  custom_error_message="model must be {preset: NAME} or an explicit model object"),
+    Discriminator(
+        _model_kind,
+        custom_error_type="model_kind",
+        custom_error_message="model must be {preset: NAME} or an explicit model object",
+    ),
 ]
 
 
 # ---- data, training --------------------------------------------------------------------------
 class DataSpec(_Strict):
     kind: Literal["synthetic", "tokens"] = Field(
-        "synthetic", description="synthetic: a deterministic task whose loss falls; tokens: a uint16 token file."
+        "synthetic",
+        description="synthetic: a deterministic task whose loss falls; tokens: a uint16 token file.",
     )
     path: str | None = Field(None, min_length=1, max_length=4096, description="Token file, for kind=tokens.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Data order seed.")
@@ -118,7 +130,9 @@ class TrainConfig(_Strict):
     global_batch: int = Field(ge=1, le=_MAX_COUNT, description="Sequences per optimizer step.")
     lr: float = Field(3e-3, gt=0, le=10, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0, le=10, description="AdamW weight decay.")
-    grad_clip: float | None = Field(None, gt=0, le=1e6, description="Global gradient-norm clip; unset = none.")
+    grad_clip: float | None = Field(
+        None, gt=0, le=1e6, description="Global gradient-norm clip; unset = none."
+    )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Initialisation seed.")
     precision: Literal["bf16_fp32_adam", "bf16_fp32_master"] = Field(
         "bf16_fp32_adam", description="Mixed precision recipe (the planner counts its bytes per parameter)."
@@ -139,11 +153,17 @@ class LayoutSpec(_Strict):
     ep: int = Field(1, ge=1, le=_MAX_DEGREE, description="Expert parallel degree (carved out of dp x cp).")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 0 DDP, 1/2 sharded state, 3 FSDP.")
     micro_batch_size: int = Field(1, ge=1, le=_MAX_DEGREE, description="Sequences per micro-batch.")
-    num_microbatches: int = Field(1, ge=1, le=_MAX_DEGREE, description="Micro-batches per step (per DP rank).")
+    num_microbatches: int = Field(
+        1, ge=1, le=_MAX_DEGREE, description="Micro-batches per step (per DP rank)."
+    )
     schedule: Literal[SCHEDULES] = Field("none", description="Pipeline schedule; 'none' when pp == 1.")  # type: ignore[valid-type]
-    sequence_parallel: bool = Field(False, description="Shard norms/dropout over the TP group (needs tp > 1).")
+    sequence_parallel: bool = Field(
+        False, description="Shard norms/dropout over the TP group (needs tp > 1)."
+    )
     recompute: Literal[RECOMPUTE] = Field("none", description="Activation recomputation.")  # type: ignore[valid-type]
-    virtual_stages: int = Field(1, ge=1, le=1024, description="Stages per pipeline rank (interleaved/V schedules).")
+    virtual_stages: int = Field(
+        1, ge=1, le=1024, description="Stages per pipeline rank (interleaved/V schedules)."
+    )
 
     @model_validator(mode="after")
     def _check_layout(self) -> LayoutSpec:
@@ -163,21 +183,32 @@ def _parallelism_kind(value: Any) -> str:
 
 ParallelismField = Annotated[
     Annotated[Literal["auto"], Tag("auto")] | Annotated[LayoutSpec, Tag("layout")],
-    Discriminator(_parallelism_kind, custom_error_type="parallelism_kind",
-                  custom_error_message="parallelism must be 'auto' or a layout object"),
+    Discriminator(
+        _parallelism_kind,
+        custom_error_type="parallelism_kind",
+        custom_error_message="parallelism must be 'auto' or a layout object",
+    ),
 ]
 
 
 # ---- resources and policies -------------------------------------------------------------------
 class ResourcesSpec(_Strict):
-    gpus: int | None = Field(None, ge=1, le=_MAX_DEGREE, description="GPUs to use; unset = what the plan wants.")
-    gpu_type: str | None = Field(None, min_length=1, max_length=64, description="GPU type; unset = the cluster's.")
+    gpus: int | None = Field(
+        None, ge=1, le=_MAX_DEGREE, description="GPUs to use; unset = what the plan wants."
+    )
+    gpu_type: str | None = Field(
+        None, min_length=1, max_length=64, description="GPU type; unset = the cluster's."
+    )
 
 
 class CheckpointPolicy(_Strict):
-    every_steps: int = Field(0, ge=0, le=_MAX_COUNT, description="Checkpoint period in steps; 0 = only at the end.")
+    every_steps: int = Field(
+        0, ge=0, le=_MAX_COUNT, description="Checkpoint period in steps; 0 = only at the end."
+    )
     keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept per job.")
-    async_save: bool = Field(False, description="Write checkpoints in the background while training continues.")
+    async_save: bool = Field(
+        False, description="Write checkpoints in the background while training continues."
+    )
 
 
 class FaultTolerancePolicy(_Strict):
@@ -185,7 +216,9 @@ class FaultTolerancePolicy(_Strict):
     heartbeat_timeout_s: float | None = Field(
         None, gt=0, le=86_400, description="A rank silent this long is hung; unset = the service default."
     )
-    sdc_check_every: int = Field(1, ge=0, le=_MAX_COUNT, description="Replica fingerprint check period; 0 = off.")
+    sdc_check_every: int = Field(
+        1, ge=0, le=_MAX_COUNT, description="Replica fingerprint check period; 0 = off."
+    )
 
 
 FaultKind = Literal["kill_rank", "kill_node", "hang_rank", "slow_rank", "bitflip", "corrupt_checkpoint"]
@@ -231,8 +264,11 @@ class JobSpec(_Strict):
     )
 
     name: str = Field(
-        min_length=1, max_length=128, pattern=_NAME_PATTERN,
-        description="Human-readable job name (letters, digits, '.', '_', '-', space).", examples=["demo"],
+        min_length=1,
+        max_length=128,
+        pattern=_NAME_PATTERN,
+        description="Human-readable job name (letters, digits, '.', '_', '-', space).",
+        examples=["demo"],
     )
     priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first; ties go to the older job.")
     model: ModelField = Field(description="A preset ({preset: NAME}) or an explicit model shape.")
@@ -247,7 +283,9 @@ class JobSpec(_Strict):
         default_factory=FaultTolerancePolicy, description="Restart and detection policy."
     )
     faults: list[FaultSpec] = Field(
-        default_factory=list, max_length=100, description="Faults to inject (testing; needs fault injection on)."
+        default_factory=list,
+        max_length=100,
+        description="Faults to inject (testing; needs fault injection on).",
     )
 
     @model_validator(mode="before")
@@ -295,7 +333,9 @@ class JobSpec(_Strict):
             return get_preset(self.model.preset)
         except (PlannerError, KeyError, ValueError) as e:
             message = _message(e)
-            raise ValueError(message if message.startswith("model.preset") else f"model.preset: {message}") from e
+            raise ValueError(
+                message if message.startswith("model.preset") else f"model.preset: {message}"
+            ) from e
 
     def explicit_layout(self) -> Layout | None:
         return self.parallelism.to_layout() if isinstance(self.parallelism, LayoutSpec) else None
@@ -307,10 +347,14 @@ class JobSpec(_Strict):
             layout=layout,
             steps=self.train.steps,
             seed=self.train.seed,
-            optim=OptimConfig(lr=self.train.lr, weight_decay=self.train.weight_decay, grad_clip=self.train.grad_clip),
+            optim=OptimConfig(
+                lr=self.train.lr, weight_decay=self.train.weight_decay, grad_clip=self.train.grad_clip
+            ),
             data=DataConfig(kind=self.data.kind, path=self.data.path, seed=self.data.seed),
             checkpoint=CheckpointConfig(
-                dir=checkpoint_dir, every_steps=self.checkpoint.every_steps, keep=self.checkpoint.keep,
+                dir=checkpoint_dir,
+                every_steps=self.checkpoint.every_steps,
+                keep=self.checkpoint.keep,
                 async_save=self.checkpoint.async_save,
             ),
             integrity=IntegrityConfig(fingerprint_every=self.fault_tolerance.sdc_check_every),
@@ -355,7 +399,9 @@ class Progress(BaseModel):
 
 
 class JobPublic(BaseModel):
-    id: str = Field(description="Job id (a ULID, sortable by creation time).", examples=["01JABCDEF0123456789ABCDEFG"])
+    id: str = Field(
+        description="Job id (a ULID, sortable by creation time).", examples=["01JABCDEF0123456789ABCDEFG"]
+    )
     tenant: str
     name: str
     state: JobStateName
@@ -375,13 +421,28 @@ class JobPublic(BaseModel):
     @classmethod
     def from_row(cls, job: Job) -> JobPublic:
         return cls(
-            id=job.id, tenant=job.tenant, name=job.name, state=job.state, priority=job.priority,  # type: ignore[arg-type]
-            attempt=job.attempt, version=job.version, spec=job.spec, plan=job.plan,
+            id=job.id,
+            tenant=job.tenant,
+            name=job.name,
+            state=job.state,
+            priority=job.priority,  # type: ignore[arg-type]
+            attempt=job.attempt,
+            version=job.version,
+            spec=job.spec,
+            plan=job.plan,
             progress=Progress(
-                step=job.step, total_steps=job.total_steps, loss=job.loss, tokens_per_s=job.tokens_per_s, mfu=job.mfu
+                step=job.step,
+                total_steps=job.total_steps,
+                loss=job.loss,
+                tokens_per_s=job.tokens_per_s,
+                mfu=job.mfu,
             ),
-            result=job.result, error=job.error, created_at=job.created_at, updated_at=job.updated_at,
-            started_at=job.started_at, finished_at=job.finished_at,
+            result=job.result,
+            error=job.error,
+            created_at=job.created_at,
+            updated_at=job.updated_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
         )
 
 
@@ -392,7 +453,9 @@ class JobPage(BaseModel):
 
 class EventPublic(BaseModel):
     seq: int = Field(description="Position in the job's event log (1, 2, ...).")
-    type: str = Field(description="created, state, progress, checkpoint, fault, plan, ...", examples=["state"])
+    type: str = Field(
+        description="created, state, progress, checkpoint, fault, plan, ...", examples=["state"]
+    )
     time: dt.datetime
     payload: dict[str, Any]
 
@@ -403,14 +466,23 @@ class EventPublic(BaseModel):
 
 class EventPage(BaseModel):
     items: list[EventPublic]
-    next_after: int | None = Field(description="Pass as `after` for the next page; null when there is no more.")
+    next_after: int | None = Field(
+        description="Pass as `after` for the next page; null when there is no more."
+    )
 
 
 class TokenCreate(_Strict):
-    tenant: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-                        description="Tenant the token acts for (created if new).", examples=["team-a"])
+    tenant: str = Field(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Tenant the token acts for (created if new).",
+        examples=["team-a"],
+    )
     admin: bool = Field(False, description="Admin tokens see every tenant and may create tokens.")
-    description: str | None = Field(None, max_length=200, pattern=r"^[^\x00]*$", description="Free-text label.")
+    description: str | None = Field(
+        None, max_length=200, pattern=r"^[^\x00]*$", description="Free-text label."
+    )
 
 
 class TokenCreated(BaseModel):

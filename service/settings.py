@@ -41,7 +41,8 @@ class Settings(BaseSettings):
         "cpu-virtual", description="GPU type the planner assumes for the cluster (a planner hardware preset)."
     )
     checkpoint_root: Path | None = Field(
-        None, description="Where job checkpoints go; unset = <home>/checkpoints. Shared storage in production."
+        None,
+        description="Where job checkpoints go; unset = <home>/checkpoints. Shared storage in production.",
     )
     host: str = Field("127.0.0.1", description="Interface `lattice serve` binds to.")
     port: int = Field(8000, ge=1, le=65535, description="Port `lattice serve` listens on.")
@@ -49,7 +50,9 @@ class Settings(BaseSettings):
         True, description="Require `Authorization: Bearer <token>`; false = every caller is admin (dev only)."
     )
     token_file: Path | None = Field(
-        None, description="Where `lattice serve` stores the bootstrap admin token (mode 0600); unset = <home>/token."
+        None,
+        description="Where `lattice serve` stores the bootstrap admin token (mode 0600); "
+        "unset = <home>/token.",
     )
     server: str | None = Field(
         None, description="CLI: URL of the Lattice server; unset = <home>/server, then http://<host>:<port>."

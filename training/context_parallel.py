@@ -139,8 +139,13 @@ def _block_pairs(
     for qs in q_segs:
         for ks in kv_segs:
             if qs.chunk >= ks.chunk:
-                pairs.append((slice(qs.start, qs.start + qs.length), slice(ks.start, ks.start + ks.length),
-                              qs.chunk == ks.chunk))
+                pairs.append(
+                    (
+                        slice(qs.start, qs.start + qs.length),
+                        slice(ks.start, ks.start + ks.length),
+                        qs.chunk == ks.chunk,
+                    )
+                )
     return pairs
 
 
@@ -185,8 +190,15 @@ def _block_forward(
 
 
 def _block_backward(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    scale: float, diagonal: bool, fused: bool,
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    diagonal: bool,
+    fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of (dq, dk, dv), given the *final* out and lse of the q rows: with those,
     P = exp(S - lse) is the block's slice of the full softmax (FlashAttention-2, alg. 2)."""
@@ -282,8 +294,9 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % size
             kv_segs = _segments(src, size, s_local, load_balance)
             for rows, cols, diag in _block_pairs(q_segs, kv_segs, causal, s_local):
-                blk_out, blk_lse = _block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale,
-                                                  diag, fused)
+                blk_out, blk_lse = _block_forward(
+                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale, diag, fused
+                )
                 _merge(out[:, :, rows], lse[:, :, rows], blk_out.to(acc), blk_lse.to(acc))
             if works:
                 _wait(works)
@@ -319,9 +332,17 @@ class _RingAttention(torch.autograd.Function):
             dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # this rank's share for block `src`
             kv_segs = _segments(src, size, s_local, load_balance)
             for rows, cols, diag in _block_pairs(q_segs, kv_segs, causal, s_local):
-                bdq, bdk, bdv = _block_backward(do[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
-                                                kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows], scale,
-                                                diag, fused)
+                bdq, bdk, bdv = _block_backward(
+                    do[:, :, rows],
+                    q[:, :, rows],
+                    kv[0][:, :, cols],
+                    kv[1][:, :, cols],
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    scale,
+                    diag,
+                    fused,
+                )
                 dq[:, :, rows] += bdq
                 dkv[0][:, :, cols] += bdk
                 dkv[1][:, :, cols] += bdv
@@ -371,19 +392,30 @@ def ring_attention(
     if kernel not in KERNELS:
         raise ContextParallelError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ContextParallelError(f"q, k, v must be (B, H, S_local, D), got {tuple(q.shape)}, "
-                                   f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ContextParallelError(
+            f"q, k, v must be (B, H, S_local, D), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ContextParallelError(f"k and v must be (B, Hkv, S_local, D) matching q {tuple(q.shape)}, "
-                                   f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ContextParallelError(
+            f"k and v must be (B, Hkv, S_local, D) matching q {tuple(q.shape)}, "
+            f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if q.size(1) % k.size(1) != 0:
         raise ContextParallelError(f"kv heads ({k.size(1)}) must divide query heads ({q.size(1)})")
     size = _cp_size(cp_group)
     if causal and q.size(2) % len(cp_chunk_ids(0, size, load_balance=load_balance)) != 0:
         raise ContextParallelError(f"local sequence length ({q.size(2)}) must be even when load_balance=True")
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
-    out = _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp_group, causal, scale,
-                               load_balance, _use_fused(kernel, q))
+    out = _RingAttention.apply(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        cp_group,
+        causal,
+        scale,
+        load_balance,
+        _use_fused(kernel, q),
+    )
     return out  # type: ignore[no-any-return]
 
 
@@ -398,6 +430,7 @@ def cp_attention(
 ) -> torch.Tensor:
     """What the model's attention calls: plain SDPA without CP, the ring with CP (same shapes)."""
     if cp_group is None or dist.get_world_size(cp_group) == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                              enable_gqa=q.size(1) != k.size(1))
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale, enable_gqa=q.size(1) != k.size(1)
+        )
     return ring_attention(q, k, v, cp_group, causal=causal, scale=scale)

@@ -36,7 +36,6 @@ Megatron-LM does; FSDP stages are driven by the pipeline stage itself.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 
 import torch
@@ -57,8 +56,6 @@ from training.config import RunConfig
 from training.layout import Layout, LayoutError
 from training.model import Transformer
 from training.spec import ModelSpec
-
-log = logging.getLogger(__name__)
 
 # Pipeline schedules that split backward into an input pass and a later weight pass. With them,
 # FSDP2's reshard_after_forward=True gives wrong weight gradients in torch 2.13 (the stage's

@@ -20,7 +20,8 @@ from service.settings import Settings, get_settings
 from service.store.db import make_engine, make_session_factory
 
 API_DESCRIPTION = """Lattice runs distributed training jobs for transformer language models on a Ray cluster:
-it plans the parallel layout, places the ranks on the network hierarchy, checkpoints, and recovers from faults.
+it plans the parallel layout, places the ranks on the network hierarchy, checkpoints, and recovers from
+faults.
 
 Authenticate with `Authorization: Bearer <token>`. Errors are `application/problem+json` documents whose
 `errors` list names each offending field."""
@@ -35,6 +36,7 @@ def create_app(
     app.state.settings = settings
     app.state.engine = engine
     app.state.session_factory = make_session_factory(engine)
+    app.state.read_session_factory = make_session_factory(engine, read_only=True)
     app.state.scheduler = scheduler
     install_problem_handlers(app)
     app.add_middleware(MetricsMiddleware)

@@ -29,8 +29,15 @@ def get_settings_dep(request: Request) -> Settings:
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    """One session per request; routes that write commit explicitly, anything else rolls back."""
+    """A session for a route that writes: it commits explicitly, anything else rolls back.
+    Its transaction begins (and on SQLite takes the write lock) only when the route body uses it."""
     with request.app.state.session_factory() as session:
+        yield session
+
+
+def get_read_session(request: Request) -> Iterator[Session]:
+    """A session for a route that only reads (never takes SQLite's write lock)."""
+    with request.app.state.read_session_factory() as session:
         yield session
 
 
@@ -40,21 +47,24 @@ def get_scheduler(request: Request) -> SchedulerHook | None:
 
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
 SessionDep = Annotated[Session, Depends(get_session)]
+ReadSessionDep = Annotated[Session, Depends(get_read_session)]
 SchedulerDep = Annotated[SchedulerHook | None, Depends(get_scheduler)]
 
 _bearer = HTTPBearer(auto_error=False, description="An API token: `Authorization: Bearer lat_...`.")
 
 
 def get_principal(
+    request: Request,
     settings: SettingsDep,
-    session: SessionDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
     if not settings.auth_enabled:
         return ANONYMOUS_ADMIN
     if credentials is None or not credentials.credentials:
         raise Unauthorized("missing bearer token: send the header 'Authorization: Bearer <token>'")
-    return authenticate(session, credentials.credentials)
+    # Its own short read transaction, over before the route runs (no lock held across threads).
+    with request.app.state.read_session_factory() as session:
+        return authenticate(session, credentials.credentials)
 
 
 CurrentPrincipal = Annotated[Principal, Depends(get_principal)]

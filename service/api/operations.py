@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from service import store
 from service.api.deps import SchedulerHook
 from service.auth import Principal
-from service.errors import Conflict, ConcurrentUpdate, IdempotencyConflict, InvalidRequest, JobNotFound
+from service.errors import ConcurrentUpdate, Conflict, IdempotencyConflict, InvalidRequest, JobNotFound
 from service.schemas import JobSpec
 from service.settings import Settings
 from service.store import tenants as tenant_store
@@ -55,7 +55,9 @@ def plan_job(spec: JobSpec, settings: Settings) -> dict[str, Any]:
             gpus_per_node=settings.embedded_gpus_per_node,
             nodes_per_rack=settings.embedded_nodes_per_rack,
         )
-        train = TrainSpec(global_batch=spec.train.global_batch, seq_len=model.seq_len, precision=spec.train.precision)
+        train = TrainSpec(
+            global_batch=spec.train.global_batch, seq_len=model.seq_len, precision=spec.train.precision
+        )
         result = plan(model, train, cluster) if layout is None else evaluate(model, train, cluster, layout)
     except (PlannerError, ValueError) as e:
         raise InvalidRequest(f"no feasible plan: {e}", errors=[{"field": field, "message": str(e)}]) from e
@@ -80,14 +82,20 @@ def submit_job(
     digest = request_hash(spec)
     if idempotency_key is not None:
         replay = _replay(session, principal, idempotency_key, digest)
+        session.commit()  # end the (read) transaction before planning
         if replay is not None:
             return replay, False
     plan = plan_job(spec, settings)
     try:
         tenant_store.ensure_tenant(session, principal.tenant)
         job = store.create_job(
-            session, tenant=principal.tenant, name=spec.name, spec=spec.canonical(), plan=plan,
-            priority=spec.priority, total_steps=spec.train.steps,
+            session,
+            tenant=principal.tenant,
+            name=spec.name,
+            spec=spec.canonical(),
+            plan=plan,
+            priority=spec.priority,
+            total_steps=spec.train.steps,
         )
         if idempotency_key is not None:
             tenant_store.add_idempotency_key(
@@ -99,6 +107,7 @@ def submit_job(
         if idempotency_key is None:
             raise
         replay = _replay(session, principal, idempotency_key, digest)
+        session.commit()
         if replay is None:
             raise
         return replay, False
@@ -174,12 +183,16 @@ def cancel_job(session: Session, principal: Principal, job_id: str, scheduler: S
         session.refresh(job)
         state = JobState(job.state)
         if state == JobState.CANCELLED:
+            session.commit()
             return job
         if state.terminal:
             raise Conflict(f"job {job_id!r} already {state.value}; only unfinished jobs can be cancelled")
         try:
             job = store.transition(
-                session, job_id, JobState.CANCELLED, expected_version=job.version,
+                session,
+                job_id,
+                JobState.CANCELLED,
+                expected_version=job.version,
                 reason=f"cancelled by {principal.role.value} of tenant {principal.tenant}",
             )
             session.commit()

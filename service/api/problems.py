@@ -25,7 +25,12 @@ log = logging.getLogger(__name__)
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 
 # Union branch tags the schemas add to error locations; they are not fields the user wrote.
-_UNION_TAGS = {("model", "by_preset"), ("model", "explicit"), ("parallelism", "auto"), ("parallelism", "layout")}
+_UNION_TAGS = {
+    ("model", "by_preset"),
+    ("model", "explicit"),
+    ("parallelism", "auto"),
+    ("parallelism", "layout"),
+}
 _LOCATIONS = {"body", "query", "path", "header", "cookie"}
 # A message that starts with a field path names the field better than the location of the validator.
 _LEADING_FIELD = re.compile(r"^([a-z_]+(?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*)(?=[ :])")
@@ -45,8 +50,12 @@ def problem_response(
     errors: Sequence[FieldError] | None = None,
     headers: dict[str, str] | None = None,
 ) -> ProblemResponse:
-    body = Problem(title=title, status=status, detail=detail, instance=instance, errors=list(errors) if errors else None)
-    return ProblemResponse(body.model_dump(mode="json", exclude_none=True), status_code=status, headers=headers)
+    body = Problem(
+        title=title, status=status, detail=detail, instance=instance, errors=list(errors) if errors else None
+    )
+    return ProblemResponse(
+        body.model_dump(mode="json", exclude_none=True), status_code=status, headers=headers
+    )
 
 
 def _field_path(loc: Sequence[Any]) -> tuple[str, str]:
@@ -69,7 +78,7 @@ def _field_path(loc: Sequence[Any]) -> tuple[str, str]:
 def _clean_message(msg: str) -> str:
     for prefix in ("Value error, ", "Assertion failed, "):
         if msg.startswith(prefix):
-            return msg[len(prefix):]
+            return msg[len(prefix) :]
     return msg
 
 
@@ -87,7 +96,7 @@ def field_errors(errors: Sequence[Any]) -> list[FieldError]:
         elif err.get("type") == "extra_forbidden":
             message = "unknown field (not allowed here)"
         if path and message.startswith(f"{path}: "):
-            message = message[len(path) + 2:]
+            message = message[len(path) + 2 :]
         if location == "body" and not path:
             path = "body" if err.get("type") in ("missing", "json_invalid", "model_attributes_type") else path
         out.append(FieldError(field=path or location, message=message, location=location))  # type: ignore[arg-type]
@@ -98,8 +107,9 @@ def install_problem_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> ProblemResponse:
         errors = field_errors(exc.errors())
-        detail = "; ".join(e.message if e.message.startswith(e.field) else f"{e.field}: {e.message}"
-                           for e in errors[:5])
+        detail = "; ".join(
+            e.message if e.message.startswith(e.field) else f"{e.field}: {e.message}" for e in errors[:5]
+        )
         if len(errors) > 5:
             detail += f"; and {len(errors) - 5} more"
         return problem_response(422, "Invalid request", detail, instance=request.url.path, errors=errors)
@@ -118,10 +128,17 @@ def install_problem_handlers(app: FastAPI) -> None:
 
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
             # Undecodable bytes: the same "invalid body" answer as malformed JSON gets.
-            error = FieldError(field="body", message="the request body is not valid UTF-8 JSON", location="body")
-            return problem_response(422, "Invalid request", f"body: {error.message}", instance=request.url.path,
-                                    errors=[error])
-        title = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else "Error"
+            error = FieldError(
+                field="body", message="the request body is not valid UTF-8 JSON", location="body"
+            )
+            return problem_response(
+                422, "Invalid request", f"body: {error.message}", instance=request.url.path, errors=[error]
+            )
+        title = (
+            HTTPStatus(exc.status_code).phrase
+            if exc.status_code in HTTPStatus._value2member_map_
+            else "Error"
+        )
         detail = exc.detail if isinstance(exc.detail, str) else title
         if exc.status_code == 404 and detail == "Not Found":
             detail = f"no route for {request.method} {request.url.path}"
@@ -132,7 +149,9 @@ def install_problem_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> ProblemResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return problem_response(500, "Internal error", "the server failed; see its log", instance=request.url.path)
+        return problem_response(
+            500, "Internal error", "the server failed; see its log", instance=request.url.path
+        )
 
 
 PROBLEM_CONTENT = {PROBLEM_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}}
@@ -148,9 +167,7 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         422: "Invalid input; `errors` names each field and what is allowed.",
         503: "Not ready.",
     }
-    return {
-        s: {"description": descriptions.get(s, "Error."), "content": PROBLEM_CONTENT} for s in statuses
-    }
+    return {s: {"description": descriptions.get(s, "Error."), "content": PROBLEM_CONTENT} for s in statuses}
 
 
 def add_problem_schemas(openapi: dict[str, Any]) -> dict[str, Any]:

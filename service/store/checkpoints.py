@@ -31,8 +31,16 @@ def record_checkpoint(
     ckpt.bytes = bytes
     session.flush()
     append_event(
-        session, job_id, "checkpoint",
-        {"step": step, "path": path, "verified": verified, "manifest_digest": manifest_digest, "bytes": bytes},
+        session,
+        job_id,
+        "checkpoint",
+        {
+            "step": step,
+            "path": path,
+            "verified": verified,
+            "manifest_digest": manifest_digest,
+            "bytes": bytes,
+        },
     )
     return ckpt
 
@@ -47,7 +55,9 @@ def mark_checkpoint_verified(session: Session, job_id: str, step: int, verified:
 
 
 def list_checkpoints(session: Session, job_id: str) -> list[Checkpoint]:
-    return list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
+    return list(
+        session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step))
+    )
 
 
 def latest_checkpoint(session: Session, job_id: str, *, verified_only: bool = True) -> Checkpoint | None:

@@ -1,10 +1,13 @@
 """Engines and sessions for SQLite (embedded) and PostgreSQL (production).
 
-SQLite runs in WAL mode (readers never block the writer) with a busy timeout, and every
-transaction starts with `BEGIN IMMEDIATE`: it takes the write lock up front, so a
-read-then-write transaction can never fail half way with "database is locked" when another
-writer committed in between (the classic deferred-transaction upgrade failure). Transactions
-are short, so serialising them costs little.
+SQLite runs in WAL mode (readers never block the writer) with a busy timeout. A session from
+`make_session_factory(engine)` starts its transactions with `BEGIN IMMEDIATE`: it takes the
+write lock up front, so a read-then-write transaction can never fail half way with "database
+is locked" when another writer committed in between (the classic deferred-transaction upgrade
+failure). Sessions from `make_session_factory(engine, read_only=True)` use a plain deferred
+`BEGIN` and never take the write lock, so readers do not queue behind writers. Keep write
+transactions short and inside one function call: never hold one across an await or a hop
+between threads (a request whose lock holder waits for a worker thread can starve them all).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+_READ_ONLY = "lattice_read_only"  # execution option: begin a deferred (read) transaction
 
 
 def is_sqlite(url: str) -> bool:
@@ -40,6 +44,10 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         path = sqlite_path(url)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
+        if "poolclass" not in kwargs:
+            # A connection for every worker thread (FastAPI runs sync routes on 40): none waits for the pool.
+            kwargs.setdefault("pool_size", 10)
+            kwargs.setdefault("max_overflow", 40)
         engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **kwargs)
         _configure_sqlite(engine)
         return engine
@@ -64,12 +72,14 @@ def _configure_sqlite(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(_READ_ONLY) else "BEGIN IMMEDIATE")
 
 
-def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+def make_session_factory(engine: Engine, *, read_only: bool = False) -> sessionmaker[Session]:
+    """Sessions for writing (default) or only reading (never takes SQLite's write lock)."""
+    bind = engine.execution_options(**{_READ_ONLY: True}) if read_only else engine
     # expire_on_commit=False: routes serialise rows after committing.
-    return sessionmaker(engine, expire_on_commit=False)
+    return sessionmaker(bind, expire_on_commit=False)
 
 
 @contextmanager

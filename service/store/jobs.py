@@ -26,7 +26,9 @@ LEGAL_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.STARTING: frozenset(
         {JobState.RUNNING, JobState.QUEUED, JobState.FAILED, JobState.CANCELLED, JobState.RECOVERING}
     ),
-    JobState.RUNNING: frozenset({JobState.RECOVERING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.RUNNING: frozenset(
+        {JobState.RECOVERING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+    ),
     JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.QUEUED, JobState.FAILED, JobState.CANCELLED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
@@ -87,7 +89,9 @@ def create_job(
     )
     session.add(job)
     session.flush()
-    append_event(session, job.id, "created", {"state": JobState.PENDING.value, "name": name, "tenant": tenant})
+    append_event(
+        session, job.id, "created", {"state": JobState.PENDING.value, "name": name, "tenant": tenant}
+    )
     return job
 
 
@@ -189,7 +193,9 @@ def transition(
     return job
 
 
-def append_event(session: Session, job_id: str, type: str, payload: Mapping[str, Any] | None = None) -> JobEvent:
+def append_event(
+    session: Session, job_id: str, type: str, payload: Mapping[str, Any] | None = None
+) -> JobEvent:
     """Append one event; `seq` is allocated atomically per job (1, 2, 3, ...)."""
     seq = session.scalar(
         update(Job)
@@ -242,7 +248,9 @@ def update_progress(session: Session, job_id: str, **fields: Any) -> None:
 def set_plan(session: Session, job_id: str, plan: dict[str, Any], *, reason: str | None = None) -> None:
     """Replace a job's plan (a replan after losing capacity) and record a `plan` event."""
     result = session.execute(
-        update(Job).where(Job.id == job_id).values(plan=plan, updated_at=utcnow())
+        update(Job)
+        .where(Job.id == job_id)
+        .values(plan=plan, updated_at=utcnow())
         .execution_options(synchronize_session=False)
     )
     if result.rowcount == 0:  # type: ignore[attr-defined]

@@ -40,7 +40,9 @@ def migrations_dir() -> Path:
 
 
 def alembic_config(*, url: str | None = None, connection: Connection | None = None) -> Config:
-    """An Alembic config for the `migrations` package; `connection` wins over `url`, which wins over settings."""
+    """An Alembic config for the `migrations` package.
+
+    `connection` wins over `url`, which wins over the settings (see migrations/env.py)."""
     cfg = Config()
     cfg.set_main_option("script_location", str(migrations_dir()))
     if url is not None:
@@ -66,7 +68,9 @@ def is_at_head(engine: Engine) -> bool:
 
 @contextmanager
 def migration_lock(engine: Engine) -> Iterator[Connection]:
-    """Exclusive right to migrate (and bootstrap) this database; yields a connection outside any transaction."""
+    """Exclusive right to migrate (and bootstrap) this database.
+
+    Yields a connection outside any transaction."""
     if engine.dialect.name == "sqlite":
         path = sqlite_path(str(engine.url))
         if path is None:  # in-memory: nobody else can see it

@@ -45,7 +45,9 @@ def count_tokens(session: Session, *, role: Role | None = None) -> int:
 
 
 def find_idempotency_key(session: Session, tenant: str, key: str) -> IdempotencyKey | None:
-    return session.scalar(select(IdempotencyKey).where(IdempotencyKey.tenant == tenant, IdempotencyKey.key == key))
+    return session.scalar(
+        select(IdempotencyKey).where(IdempotencyKey.tenant == tenant, IdempotencyKey.key == key)
+    )
 
 
 def add_idempotency_key(session: Session, *, tenant: str, key: str, request_hash: str, job_id: str) -> None:

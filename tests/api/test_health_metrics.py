@@ -29,7 +29,7 @@ def _sample(body: str, name: str, **labels: str) -> float:
     for line in body.splitlines():
         if not line.startswith(name + "{"):
             continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', line[len(name):line.rindex("}") + 1]))
+        found = dict(re.findall(r'(\w+)="([^"]*)"', line[len(name) : line.rindex("}") + 1]))
         if all(found.get(k) == v for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     return 0.0

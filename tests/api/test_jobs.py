@@ -37,14 +37,20 @@ def test_submit_explicit_layout_is_evaluated(client: TestClient, tokens: dict[st
     plan = r.json()["plan"]
     assert plan["mode"] == "evaluate"
     assert {k: plan["layout"][k] for k in ("tp", "dp", "pp", "num_microbatches")} == {
-        "tp": 2, "dp": 2, "pp": 1, "num_microbatches": 2}
+        "tp": 2,
+        "dp": 2,
+        "pp": 1,
+        "num_microbatches": 2,
+    }
 
 
 def test_list_filters_by_state_and_pages_without_gaps(
     client: TestClient, tokens: dict[str, str], db_session_factory: sessionmaker[Session]
 ) -> None:
-    ids = [client.post("/v1/jobs", json=tiny(name=f"j{i}"), headers=bearer(tokens["a"])).json()["id"]
-           for i in range(5)]
+    ids = [
+        client.post("/v1/jobs", json=tiny(name=f"j{i}"), headers=bearer(tokens["a"])).json()["id"]
+        for i in range(5)
+    ]
     with store.session_scope(db_session_factory) as s:
         store.transition(s, ids[1], JobState.QUEUED)
     seen: list[str] = []
@@ -61,7 +67,9 @@ def test_list_filters_by_state_and_pages_without_gaps(
     assert (seen, pages) == (ids[::-1], 3)
     queued = client.get("/v1/jobs", params={"state": "queued"}, headers=bearer(tokens["a"])).json()
     assert [j["id"] for j in queued["items"]] == [ids[1]]
-    both = client.get("/v1/jobs", params=[("state", "queued"), ("state", "pending")], headers=bearer(tokens["a"]))
+    both = client.get(
+        "/v1/jobs", params=[("state", "queued"), ("state", "pending")], headers=bearer(tokens["a"])
+    )
     assert len(both.json()["items"]) == 5
 
 
@@ -160,7 +168,9 @@ def test_twenty_concurrent_submits_with_one_key_create_one_job(
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://lattice") as c:
             headers = bearer(tokens["a"]) | {"Idempotency-Key": "burst"}
-            return await asyncio.gather(*(c.post("/v1/jobs", json=tiny(), headers=headers) for _ in range(20)))
+            return await asyncio.gather(
+                *(c.post("/v1/jobs", json=tiny(), headers=headers) for _ in range(20))
+            )
 
     responses = asyncio.run(burst())
     assert sorted(r.status_code for r in responses) == [200] * 19 + [201], [r.text for r in responses]

@@ -12,19 +12,35 @@ from tests.api.specs import tiny
 
 # (what is wrong, the spec, the field the problem must name, words the message must contain)
 BAD_SPECS: list[tuple[str, dict[str, Any], str, str]] = [
-    ("missing model field", tiny(model={"layers": 2, "hidden": 64, "heads": 4, "vocab": 256}), "model.seq_len",
-     "required"),
-    ("shape rule", tiny(model={"layers": 2, "hidden": 65, "heads": 4, "vocab": 256, "seq_len": 32}),
-     "model.hidden", "divisible by model.heads"),
+    (
+        "missing model field",
+        tiny(model={"layers": 2, "hidden": 64, "heads": 4, "vocab": 256}),
+        "model.seq_len",
+        "required",
+    ),
+    (
+        "shape rule",
+        tiny(model={"layers": 2, "hidden": 65, "heads": 4, "vocab": 256, "seq_len": 32}),
+        "model.hidden",
+        "divisible by model.heads",
+    ),
     ("unknown preset", tiny(model={"preset": "gpt-9"}), "model.preset", "must be one of"),
     ("bad degree", tiny(parallelism={"tp": 0}), "parallelism.tp", "greater than or equal to 1"),
-    ("layout rule", tiny(parallelism={"dp": 4, "schedule": "1f1b"}), "parallelism.schedule",
-     "must be 'none' when pp == 1"),
+    (
+        "layout rule",
+        tiny(parallelism={"dp": 4, "schedule": "1f1b"}),
+        "parallelism.schedule",
+        "must be 'none' when pp == 1",
+    ),
     ("batch mismatch", tiny(parallelism={"dp": 2}), "parallelism", "must equal train.global_batch (4)"),
     ("auto misspelt", tiny(parallelism="automatic"), "parallelism", "'auto'"),
     ("unknown field", tiny(colour="blue"), "colour", "unknown field"),
-    ("enum", tiny(train={"steps": 1, "global_batch": 4, "precision": "fp8"}), "train.precision",
-     "bf16_fp32_adam"),
+    (
+        "enum",
+        tiny(train={"steps": 1, "global_batch": 4, "precision": "fp8"}),
+        "train.precision",
+        "bf16_fp32_adam",
+    ),
     ("fault needs rank", tiny(faults=[{"kind": "kill_rank", "at_step": 1}]), "faults[0].rank", "required"),
     ("fault kind", tiny(faults=[{"kind": "meteor", "at_step": 1, "rank": 0}]), "faults[0].kind", "kill_rank"),
     ("NUL in name", tiny(name="a\x00b"), "name", "NUL"),
@@ -69,7 +85,9 @@ def test_bad_query_and_path_parameters(client: TestClient, tokens: dict[str, str
         r = client.get(path, params=params, headers=h)
         assert r.status_code == 422, (path, params)
         errors = r.json()["errors"]
-        assert {"field": field, "location": location} == {k: errors[0][k] for k in ("field", "location")}, errors
+        assert {"field": field, "location": location} == {k: errors[0][k] for k in ("field", "location")}, (
+            errors
+        )
     r = client.post("/v1/jobs", json=tiny(), headers=h | {"Idempotency-Key": "k" * 300})
     assert r.status_code == 422 and r.json()["errors"][0]["field"] == "Idempotency-Key"
 

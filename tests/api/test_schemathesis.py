@@ -27,10 +27,14 @@ from service.settings import Settings
 from service.store import migrate
 from service.store.db import make_engine
 
-MAX_EXAMPLES = 12
+MAX_EXAMPLES = 30
 CHECKS = [
-    not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
-    response_schema_conformance, negative_data_rejection,
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
 ]
 
 
@@ -47,7 +51,9 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> tuple[FastAPI, str]:
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["valid", "invalid"])
-def test_no_server_errors_and_responses_match_the_document(api: tuple[FastAPI, str], mode: GenerationMode) -> None:
+def test_no_server_errors_and_responses_match_the_document(
+    api: tuple[FastAPI, str], mode: GenerationMode
+) -> None:
     app, token = api
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     headers = {"Authorization": f"Bearer {token}"}
@@ -58,8 +64,13 @@ def test_no_server_errors_and_responses_match_the_document(api: tuple[FastAPI, s
     for operation in operations:
 
         @given(case=operation.as_strategy(generation_mode=mode, headers=headers))
-        @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
-                  derandomize=True, database=None)
+        @settings(
+            max_examples=MAX_EXAMPLES,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            derandomize=True,
+            database=None,
+        )
         def check(case: schemathesis.Case) -> None:
             case.call_and_validate(headers=headers, checks=CHECKS)
 

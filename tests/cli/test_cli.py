@@ -49,8 +49,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LATTICE_")}
     env |= {"LATTICE_HOME": str(home), "LATTICE_LOG_LEVEL": "warning"}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--port", str(port)],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve", "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -112,7 +117,9 @@ def test_submit_list_status_events_cancel(server: Server, tmp_path: Path) -> Non
 
 
 def test_bad_files_and_bad_specs_give_one_line(server: Server, tmp_path: Path) -> None:
-    assert_one_line_error(run(["submit", str(tmp_path / "missing.yaml")], server.env), "cannot read", "missing.yaml")
+    assert_one_line_error(
+        run(["submit", str(tmp_path / "missing.yaml")], server.env), "cannot read", "missing.yaml"
+    )
     broken = tmp_path / "broken.yaml"
     broken.write_text("name: [unclosed\n")
     assert_one_line_error(run(["submit", str(broken)], server.env), "not valid YAML")
@@ -170,10 +177,13 @@ def _drive(db_url: str, name: str, final: JobState, stop: threading.Event) -> No
             store.transition(s, job_id, final, reason="rank 1 died 4 times")
 
 
-@pytest.mark.parametrize(("final", "code", "words"), [
-    (JobState.SUCCEEDED, 0, "succeeded (model digest abc123)"),
-    (JobState.FAILED, 1, "failed: rank 1 died 4 times"),
-])
+@pytest.mark.parametrize(
+    ("final", "code", "words"),
+    [
+        (JobState.SUCCEEDED, 0, "succeeded (model digest abc123)"),
+        (JobState.FAILED, 1, "failed: rank 1 died 4 times"),
+    ],
+)
 def test_watch_follows_progress_to_the_end(
     server: Server, tmp_path: Path, final: JobState, code: int, words: str
 ) -> None:
@@ -181,7 +191,9 @@ def test_watch_follows_progress_to_the_end(
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text(yaml.safe_dump(SPEC | {"name": name}))
     stop = threading.Event()
-    driver = threading.Thread(target=_drive, args=(f"sqlite:///{server.home / 'lattice.db'}", name, final, stop))
+    driver = threading.Thread(
+        target=_drive, args=(f"sqlite:///{server.home / 'lattice.db'}", name, final, stop)
+    )
     driver.start()
     try:
         result = run(["submit", str(spec_file), "--watch", "--interval", "0.05"], server.env)
@@ -191,3 +203,12 @@ def test_watch_follows_progress_to_the_end(
     assert result.exit_code == code, result.output + result.stderr
     assert words in result.stdout + result.stderr
     assert "10/10" in result.stdout
+
+
+def test_serve_help_lists_every_setting() -> None:
+    from service.settings import Settings
+
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for name in Settings.model_fields:
+        assert f"LATTICE_{name.upper()}" in result.stdout

@@ -40,8 +40,14 @@ def test_create_job_is_pending_with_created_event(db_session_factory: sessionmak
 
 def test_happy_path_bumps_version_and_logs_each_state(db_session_factory: sessionmaker[Session]) -> None:
     job_id = _new_job(db_session_factory)
-    path = [JobState.QUEUED, JobState.STARTING, JobState.RUNNING, JobState.RECOVERING, JobState.RUNNING,
-            JobState.SUCCEEDED]
+    path = [
+        JobState.QUEUED,
+        JobState.STARTING,
+        JobState.RUNNING,
+        JobState.RECOVERING,
+        JobState.RUNNING,
+        JobState.SUCCEEDED,
+    ]
     for i, state in enumerate(path):
         with store.session_scope(db_session_factory) as s:
             job = store.transition(s, job_id, state, expected_version=i, reason=f"step {i}")
@@ -188,8 +194,9 @@ def test_list_jobs_filters_pages_and_queue_order(db_session_factory: sessionmake
         page2 = store.list_jobs(s, limit=4, after_id=page1[-1].id)
         assert [j.id for j in page1 + page2] == newest
         queue = store.list_jobs(s, states=["pending", "queued"], order="queue", limit=None)
-        assert [(j.priority, j.id) for j in queue] == sorted(((j.priority, j.id) for j in queue),
-                                                              key=lambda t: (-t[0], t[1]))
+        assert [(j.priority, j.id) for j in queue] == sorted(
+            ((j.priority, j.id) for j in queue), key=lambda t: (-t[0], t[1])
+        )
         counts = store.count_jobs_by_state(s)
         assert counts[JobState.PENDING] == 5 and counts[JobState.QUEUED] == 1
 

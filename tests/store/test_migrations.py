@@ -62,8 +62,21 @@ def test_alembic_command_line_reads_the_url(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
-        [sys.executable, "-m", "alembic", "-c", str(root / "alembic.ini"), "-x", f"url={url}", "upgrade", "head"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "alembic",
+            "-c",
+            str(root / "alembic.ini"),
+            "-x",
+            f"url={url}",
+            "upgrade",
+            "head",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     engine = make_engine(url)

@@ -54,8 +54,20 @@ def _case_tensors(seed: int, b: int, hq: int, hkv: int, s: int, d: int) -> tuple
     return q, k, v, w
 
 
-def _run_case(seed: int, group: Any, cp_rank: int, cp: int, b: int, hq: int, hkv: int, s: int, d: int,
-              causal: bool, lb: bool, kernel: str) -> dict[str, float]:
+def _run_case(
+    seed: int,
+    group: Any,
+    cp_rank: int,
+    cp: int,
+    b: int,
+    hq: int,
+    hkv: int,
+    s: int,
+    d: int,
+    causal: bool,
+    lb: bool,
+    kernel: str,
+) -> dict[str, float]:
     q, k, v, w = _case_tensors(seed, b, hq, hkv, s, d)
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*ref_in, is_causal=causal, enable_gqa=hq != hkv)

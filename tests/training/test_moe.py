@@ -43,8 +43,18 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
 
 
-def _run_case(rank: int, world: int, seed: int, ep: int, k: int, cf: float | None, act: str, uneven: bool,
-              ep_groups: dict[int, Any], edp_groups: dict[int, Any]) -> dict[str, float]:
+def _run_case(
+    rank: int,
+    world: int,
+    seed: int,
+    ep: int,
+    k: int,
+    cf: float | None,
+    act: str,
+    uneven: bool,
+    ep_groups: dict[int, Any],
+    edp_groups: dict[int, Any],
+) -> dict[str, float]:
     xs, ws = _batch(seed, world, uneven)
     group_id, ep_rank = rank // ep, rank % ep
     members = list(range(group_id * ep, (group_id + 1) * ep))
@@ -87,11 +97,17 @@ def _run_case(rank: int, world: int, seed: int, ep: int, k: int, cf: float | Non
         "x_grad": _max_err(x.grad / world, ref_x.grad[mine]),  # activations are not DP-averaged
         "aux": abs(aux_mean.item() / ep - ref_aux.item()) / abs(ref_aux.item()),
         "router_grad": _max_err(layer.router.weight.grad, ref.router.weight.grad),
-        "init": max(_max_err(mine_p.detach(), full.detach()[shard])
-                    for mine_p, full in zip(layer.expert_parameters(), ref.expert_parameters(), strict=True)),
+        "init": max(
+            _max_err(mine_p.detach(), full.detach()[shard])
+            for mine_p, full in zip(layer.expert_parameters(), ref.expert_parameters(), strict=True)
+        ),
     }
-    for name, mine_p, full in zip(("w_gate", "w_up", "w_down")[-len(layer.expert_parameters()):],
-                                  layer.expert_parameters(), ref.expert_parameters(), strict=True):
+    for name, mine_p, full in zip(
+        ("w_gate", "w_up", "w_down")[-len(layer.expert_parameters()) :],
+        layer.expert_parameters(),
+        ref.expert_parameters(),
+        strict=True,
+    ):
         errs[f"{name}_grad"] = _max_err(mine_p.grad, full.grad[shard])
     errs |= {
         "dropped_group": float(stats.dropped_group),

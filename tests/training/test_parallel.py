@@ -29,11 +29,15 @@ STEPS = 2
 ATOL = 1e-5
 OPTIM = OptimConfig(lr=3e-3, eps=1e-5)
 
+# Pipeline cases need >= 4 layers (pp 2 x 2 virtual stages); the others use 2 to save time.
 SPECS = {
     "gqa": ModelSpec(layers=4, hidden=64, heads=8, kv_heads=4, vocab=64, seq_len=16, ffn=128),
+    "gqa5": ModelSpec(layers=5, hidden=64, heads=8, kv_heads=4, vocab=64, seq_len=16, ffn=128),  # uneven PP
+    "gqa2": ModelSpec(layers=2, hidden=64, heads=8, kv_heads=4, vocab=64, seq_len=16, ffn=128),
     "mha": ModelSpec(layers=4, hidden=64, heads=8, vocab=64, seq_len=16, ffn=128),
-    "tied_gelu": ModelSpec(layers=4, hidden=64, heads=8, vocab=64, seq_len=16, ffn=128,
-                           activation="gelu", tied_embeddings=True),
+    "mha2": ModelSpec(layers=2, hidden=64, heads=8, vocab=64, seq_len=16, ffn=128),
+    "tied_gelu2": ModelSpec(layers=2, hidden=64, heads=8, vocab=64, seq_len=16, ffn=128,
+                            activation="gelu", tied_embeddings=True),
 }
 
 
@@ -43,27 +47,30 @@ class Case:
     spec: str
     layout: dict
     dp_impl: str = "lattice"
+    grad_clip: float | None = None
 
 
 V2 = {"virtual_stages": 2}
 CASES = [
-    Case("fsdp_zero2_accum", "gqa", {"dp": 8, "zero_stage": 2, "num_microbatches": 2}),
-    Case("fsdp_zero3_tied", "tied_gelu", {"dp": 8, "zero_stage": 3}),
-    Case("torch_ddp", "gqa", {"dp": 8}, dp_impl="torch"),
-    Case("tp", "mha", {"tp": 8}),
-    Case("tp_sp_tied", "tied_gelu", {"tp": 8, "sequence_parallel": True}),
-    Case("dp_tp_ddp", "gqa", {"dp": 2, "tp": 4}),
-    Case("dp_tp_fsdp2d_sp", "gqa", {"dp": 2, "tp": 4, "zero_stage": 3, "sequence_parallel": True}),
-    Case("dp_tp_zero1_sp", "gqa", {"dp": 4, "tp": 2, "zero_stage": 1, "sequence_parallel": True,
-                                   "num_microbatches": 2}),
-    Case("dp_pp_gpipe", "gqa", {"pp": 2, "dp": 4, "schedule": "gpipe", "num_microbatches": 2}),
-    Case("dp_pp_1f1b_fsdp", "gqa", {"pp": 4, "dp": 2, "schedule": "1f1b", "num_microbatches": 4,
-                                    "zero_stage": 2}),
+    Case("fsdp_zero2_accum", "gqa2", {"dp": 8, "zero_stage": 2, "num_microbatches": 2}),
+    Case("fsdp_zero3_tied", "tied_gelu2", {"dp": 8, "zero_stage": 3}),
+    Case("torch_ddp", "gqa2", {"dp": 8}, dp_impl="torch"),
+    Case("tp", "mha2", {"tp": 8}),
+    Case("tp_sp_tied", "tied_gelu2", {"tp": 8, "sequence_parallel": True}),
+    Case("dp_tp_ddp", "gqa2", {"dp": 2, "tp": 4}),
+    Case("dp_tp_fsdp2d_sp_clip", "gqa2", {"dp": 2, "tp": 4, "zero_stage": 3, "sequence_parallel": True},
+         grad_clip=0.5),
+    Case("dp_tp_zero1_sp", "gqa2", {"dp": 4, "tp": 2, "zero_stage": 1, "sequence_parallel": True,
+                                    "num_microbatches": 2}),
+    Case("dp_pp_gpipe_uneven", "gqa5", {"pp": 2, "dp": 4, "schedule": "gpipe", "num_microbatches": 2}),
+    Case("dp_pp_1f1b_fsdp_clip", "gqa", {"pp": 4, "dp": 2, "schedule": "1f1b", "num_microbatches": 4,
+                                         "zero_stage": 2}, grad_clip=0.5),
     Case("tp_pp_interleaved_1f1b", "gqa", {"pp": 2, "tp": 4, "schedule": "interleaved_1f1b",
                                            "num_microbatches": 2, "sequence_parallel": True,
                                            "recompute": "selective", **V2}),
-    Case("dp_tp_pp_interleaved_zb", "gqa", {"pp": 2, "tp": 2, "dp": 2, "schedule": "interleaved_zero_bubble",
-                                            "num_microbatches": 2, "zero_stage": 1, **V2}),
+    Case("dp_tp_pp_interleaved_zb_clip", "gqa",
+         {"pp": 2, "tp": 2, "dp": 2, "schedule": "interleaved_zero_bubble", "num_microbatches": 2,
+          "zero_stage": 1, **V2}, grad_clip=0.5),
     Case("dp_tp_pp_zbv", "gqa", {"pp": 2, "tp": 2, "dp": 2, "schedule": "zbv_zero_bubble",
                                  "num_microbatches": 4, "zero_stage": 3, "sequence_parallel": True, **V2}),
     Case("dp_tp_pp_dualpipev", "mha", {"pp": 2, "tp": 2, "dp": 2, "schedule": "dualpipev",
@@ -72,8 +79,8 @@ CASES = [
 
 
 def _config(case: Case, **kw) -> RunConfig:
-    return RunConfig(model=SPECS[case.spec], layout=Layout(**case.layout), steps=STEPS, optim=OPTIM,
-                     dp_impl=case.dp_impl, **kw)
+    return RunConfig(model=SPECS[case.spec], layout=Layout(**case.layout), steps=STEPS,
+                     optim=replace(OPTIM, grad_clip=case.grad_clip), dp_impl=case.dp_impl, **kw)
 
 
 def _reference(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[float]]:
@@ -87,14 +94,18 @@ def _reference(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], dict[str, torch
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                             weight_decay=o.weight_decay)
     data = make_data_source(cfg.data, cfg.model, cfg.global_batch)
-    losses = []
+    losses, norms = [], []
     for step in range(1, cfg.steps + 1):
         x, y = data.batch(step, 0, 1)
         loss = cross_entropy_loss(model(x), y)
         loss.backward()
+        if o.grad_clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    # The clip must be active for the comparison to test it.
+    assert all(n > o.grad_clip for n in norms), norms
     return init, {n: p.detach().clone() for n, p in model.named_parameters()}, losses
 
 
@@ -220,6 +231,7 @@ def test_train_resume_equals_uninterrupted(results) -> None:
     r0 = per_rank[0]
     final_step, digest, losses, saved, steps = r0["full"]
     assert final_step == 4 and steps == [1, 2, 3, 4] and saved == [2, 4]
+    assert losses[-1] < losses[0]  # the synthetic task is learnable
     assert all(r["full"] == r0["full"] for r in per_rank)
     stopped_at, resumed_from, end, resumed_digest, resumed_losses = r0["resumed"]
     assert (stopped_at, resumed_from, end) == (2, 2, 4)

@@ -38,7 +38,9 @@ def readyz(request: Request) -> Readiness:
         raise ServiceUnavailable(f"database unreachable: {type(e).__name__}") from e
     head = migrate.head_revision()
     if revision != head:
-        raise ServiceUnavailable(f"database schema at revision {revision}, expected {head}; run the migrations")
+        raise ServiceUnavailable(
+            f"database schema at revision {revision}, expected {head}; run the migrations"
+        )
     return Readiness(status="ready", database="ok", migration=revision)
 
 
@@ -46,7 +48,12 @@ def readyz(request: Request) -> Readiness:
     "/metrics",
     summary="Prometheus metrics",
     response_class=Response,
-    responses={200: {"description": "Prometheus text exposition.", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+    responses={
+        200: {
+            "description": "Prometheus text exposition.",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
+    },
 )
 def prometheus_metrics(request: Request) -> Response:
     _refresh_job_gauges(request)
@@ -55,7 +62,7 @@ def prometheus_metrics(request: Request) -> Response:
 
 def _refresh_job_gauges(request: Request) -> None:
     try:
-        with request.app.state.session_factory() as session:
+        with request.app.state.read_session_factory() as session:
             counts = store.count_jobs_by_state(session)
     except SQLAlchemyError:
         log.warning("metrics: cannot count jobs", exc_info=True)

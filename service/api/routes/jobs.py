@@ -8,7 +8,7 @@ from fastapi import APIRouter, Body, Header, Path, Query, Response, status
 
 from service import store
 from service.api import operations
-from service.api.deps import CurrentPrincipal, SchedulerDep, SessionDep, SettingsDep
+from service.api.deps import CurrentPrincipal, ReadSessionDep, SchedulerDep, SessionDep, SettingsDep
 from service.api.problems import problem_responses
 from service.schemas import (
     DEMO_SPEC,
@@ -29,7 +29,10 @@ JobId = Annotated[
 IdempotencyKey = Annotated[
     str | None,
     Header(
-        alias="Idempotency-Key", min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$",
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=255,
+        pattern=r"^[\x21-\x7e]+$",
         description="Makes retries safe: the same key and body return the same job; "
         "the same key with a different body is a 409.",
     ),
@@ -46,8 +49,10 @@ SPEC_EXAMPLES = {
     response_model=JobPublic,
     summary="Submit a job",
     responses={
-        200: {"description": "Replay of an earlier submit with the same Idempotency-Key and body.",
-              "model": JobPublic},
+        200: {
+            "description": "Replay of an earlier submit with the same Idempotency-Key and body.",
+            "model": JobPublic,
+        },
         **problem_responses(401, 409, 422),
     },
 )
@@ -70,15 +75,19 @@ def submit_job(
     return JobPublic.from_row(job)
 
 
-@router.get("", response_model=JobPage, summary="List jobs, newest first", responses=problem_responses(401, 422))
+@router.get(
+    "", response_model=JobPage, summary="List jobs, newest first", responses=problem_responses(401, 422)
+)
 def list_jobs(
-    session: SessionDep,
+    session: ReadSessionDep,
     principal: CurrentPrincipal,
     state: Annotated[list[JobStateName] | None, Query(description="Only jobs in these states.")] = None,
     tenant: Annotated[
         str | None,
-        Query(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
-              description="Only this tenant's jobs (admin; users see their own)."),
+        Query(
+            pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+            description="Only this tenant's jobs (admin; users see their own).",
+        ),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=500, description="Page size.")] = 50,
     cursor: Annotated[
@@ -91,8 +100,10 @@ def list_jobs(
     return JobPage(items=[JobPublic.from_row(j) for j in jobs], next_cursor=next_cursor)
 
 
-@router.get("/{job_id}", response_model=JobPublic, summary="Get a job", responses=problem_responses(401, 404, 422))
-def get_job(job_id: JobId, session: SessionDep, principal: CurrentPrincipal) -> JobPublic:
+@router.get(
+    "/{job_id}", response_model=JobPublic, summary="Get a job", responses=problem_responses(401, 404, 422)
+)
+def get_job(job_id: JobId, session: ReadSessionDep, principal: CurrentPrincipal) -> JobPublic:
     return JobPublic.from_row(operations.visible_job(session, principal, job_id))
 
 
@@ -100,11 +111,13 @@ def get_job(job_id: JobId, session: SessionDep, principal: CurrentPrincipal) -> 
     "/{job_id}/cancel",
     response_model=JobPublic,
     summary="Cancel a job",
-    description="Pending and queued jobs are cancelled at once; a starting or running job is marked cancelled "
-    "and its ranks are stopped. Cancelling a cancelled job returns it; a finished job is a 409.",
+    description="Pending and queued jobs are cancelled at once; a starting or running job is marked "
+    "cancelled and its ranks are stopped. Cancelling a cancelled job returns it; a finished job is a 409.",
     responses=problem_responses(401, 404, 409, 422),
 )
-def cancel_job(job_id: JobId, session: SessionDep, principal: CurrentPrincipal, scheduler: SchedulerDep) -> JobPublic:
+def cancel_job(
+    job_id: JobId, session: SessionDep, principal: CurrentPrincipal, scheduler: SchedulerDep
+) -> JobPublic:
     return JobPublic.from_row(operations.cancel_job(session, principal, job_id, scheduler))
 
 
@@ -116,7 +129,7 @@ def cancel_job(job_id: JobId, session: SessionDep, principal: CurrentPrincipal, 
 )
 def list_events(
     job_id: JobId,
-    session: SessionDep,
+    session: ReadSessionDep,
     principal: CurrentPrincipal,
     after: Annotated[int, Query(ge=0, le=2**31 - 1, description="Only events with seq > after.")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000, description="Page size.")] = 100,
