@@ -5,7 +5,7 @@
 
 Variants: no communication (compute only: the floor), naive (one blocking all-reduce per parameter
 after backward), flat (one all-reduce of every gradient), per-parameter overlapped (bucket None),
-bucketed at each --buckets size, and torch DDP (bucket_cap_mb=25, broadcast_buffers=False). Each
+bucketed at each --buckets size, and torch DDP (bucket_cap_mb=25, forward_sync_buffers=False). Each
 round builds every variant afresh and times --steps steps after one warm-up step; rounds interleave
 the variants so that a change in machine load hits them alike. A step's time is the slowest
 rank's (all-reduce MAX).
@@ -48,12 +48,12 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     device = bench_device(rank)
     model, loss_fn, vocab = build_bench_model(seed=0, device=device)
     torch_model, _, _ = build_bench_model(seed=0, device=device)
-    # broadcast_buffers=False: like ours, sync buffers once at construction, not before every forward.
+    # forward_sync_buffers=False: like ours, sync buffers once at construction, not before every forward.
     torch_ddp = nn.parallel.DistributedDataParallel(
         torch_model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=25,
-        broadcast_buffers=False,
+        forward_sync_buffers=False,
     )
     n_params = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(1 + rank)

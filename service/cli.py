@@ -81,6 +81,22 @@ def main(
     ctx.obj = {"server": server, "token": token}
 
 
+def _display_url(url: str) -> str:
+    """The database URL without its password."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return repr(url)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def _client(ctx: typer.Context) -> Client:
     return Client.resolve(_settings(), server=ctx.obj.get("server"), token=ctx.obj.get("token"))
 
@@ -135,7 +151,8 @@ def serve(
     try:
         engine, token = prepare_database(settings, bootstrap=True)
     except SQLAlchemyError as e:
-        raise CliError(f"cannot prepare the database {settings.db_url}: {str(e).splitlines()[0]}") from e
+        where = _display_url(settings.db_url)
+        raise CliError(f"cannot prepare the database {where}: {_first_line(e)}") from e
     if token is not None:
         out.print(f"Admin token (shown once; saved to {settings.token_path}, mode 0600):")
         out.print(token, soft_wrap=True)
@@ -366,7 +383,7 @@ def token_create(
             session.commit()
         engine.dispose()
     except SQLAlchemyError as e:
-        raise CliError(f"cannot write the token to {settings.db_url}: {str(e).splitlines()[0]}") from e
+        raise CliError(f"cannot write the token to {_display_url(settings.db_url)}: {_first_line(e)}") from e
     err.print(f"{'admin' if admin else 'user'} token for tenant {tenant} (shown once):")
     out.print(token, soft_wrap=True)
 

@@ -26,10 +26,11 @@ so mean_r aux_r == aux exactly and averaging gradients over the group (what DP d
 gradient of aux. A balanced router has aux = 1.
 
 Expert parallel: the experts are split into `ep` contiguous shards (rank p holds experts
-[p*E/ep, (p+1)*E/ep)). Every rank builds the full expert tensors from `seed` and keeps its shard,
-so any EP degree holds the same weights. Dispatch and combine are `all_to_all_single` with
-unbalanced split sizes; the split sizes follow from the per-expert loads, which every rank already
-has from the one all-gather the capacity rule needs (so there is no separate count all-to-all).
+[p*E/ep, (p+1)*E/ep)). Each expert's weights are drawn from a generator seeded by (seed, tensor,
+expert index), so any EP degree holds the same weights and a rank only materialises its shard.
+Dispatch and combine are `all_to_all_single` with unbalanced split sizes; the split sizes follow
+from the per-expert loads, which every rank already has from the one all-gather the capacity rule
+needs (so there is no separate count all-to-all).
 
 Gradients with EP x DP (see docs/context_parallel.md, "MoE"): the router (dense) is replicated on
 every rank: average its gradient over the whole data-parallel world (dp x cp) as usual. Each expert
@@ -88,6 +89,12 @@ def expert_parallel_groups(ranks: list[int], ep: int) -> tuple[list[list[int]], 
     ep_groups = [ranks[i : i + ep] for i in range(0, len(ranks), ep)]
     edp_groups = [[g[j] for g in ep_groups] for j in range(ep)]
     return ep_groups, edp_groups
+
+
+def _expert_generator(seed: int, which: int, expert: int) -> torch.Generator:
+    """A generator per (seed, weight tensor, expert index), independent of the EP layout."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + which * 0xBF58476D1CE4E5B9 + expert * 0x94D049BB133111EB) % 2**63
+    return torch.Generator().manual_seed(mixed)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -151,23 +158,24 @@ class MoELayer(nn.Module):
         self.first_expert = self.ep_rank * self.local_experts
         self.last_stats: MoEStats | None = None
 
-        # Full tensors from one seeded generator, then this rank's shard: every EP degree holds the
-        # same weights. Init N(0, init_std) (GPT-2).
-        gen = torch.Generator().manual_seed(seed)
-
-        def full(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=gen) * init_std
-
-        shard = slice(self.first_expert, self.first_expert + self.local_experts)
+        # Every expert tensor is drawn from its own generator, seeded from (seed, tensor, expert):
+        # any EP degree holds the same weights, and a rank only materialises its own shard (the
+        # full expert set of a DeepSeek-V3-sized layer would not fit in host memory). Init
+        # N(0, init_std) (GPT-2).
         kw = {"device": device, "dtype": dtype}
+        experts = range(self.first_expert, self.first_expert + self.local_experts)
+
+        def shard(which: int, *shape: int) -> nn.Parameter:
+            draws = [torch.randn(*shape, generator=_expert_generator(seed, which, e)) for e in experts]
+            return nn.Parameter((torch.stack(draws) * init_std).to(**kw))  # type: ignore[arg-type]
+
         self.router = nn.Linear(hidden, num_experts, bias=False, **kw)  # type: ignore[arg-type]
         with torch.no_grad():
-            self.router.weight.copy_(full(num_experts, hidden))
-        gate = full(num_experts, hidden, expert_ffn) if activation == "swiglu" else None
-        up, down = full(num_experts, hidden, expert_ffn), full(num_experts, expert_ffn, hidden)
-        self.w_gate = nn.Parameter(gate[shard].to(**kw)) if gate is not None else None  # type: ignore[arg-type]
-        self.w_up = nn.Parameter(up[shard].to(**kw))  # type: ignore[arg-type]  # (E_local, hidden, ffn)
-        self.w_down = nn.Parameter(down[shard].to(**kw))  # type: ignore[arg-type]  # (E_local, ffn, hidden)
+            router = torch.randn(num_experts, hidden, generator=torch.Generator().manual_seed(seed))
+            self.router.weight.copy_(router * init_std)
+        self.w_gate = shard(0, hidden, expert_ffn) if activation == "swiglu" else None  # (E_local, h, ffn)
+        self.w_up = shard(1, hidden, expert_ffn)  # (E_local, hidden, ffn)
+        self.w_down = shard(2, expert_ffn, hidden)  # (E_local, ffn, hidden)
 
     # ---- parameter groups --------------------------------------------------------------------------
     def expert_parameters(self) -> list[nn.Parameter]:
@@ -269,7 +277,7 @@ class MoELayer(nn.Module):
             expert_load=[int(c) for c in group_load.tolist()],
             aux_loss=float(aux.detach()),
         )
-        return y.view(shape), aux.to(x.dtype)
+        return y.view(shape), aux  # aux stays fp32
 
 
 def reduce_expert_grads(layer: MoELayer, edp_group: ProcessGroup | None, dp_world: int) -> None:

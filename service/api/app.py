@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 from sqlalchemy import Engine
 
-from service.api.deps import SchedulerHook
+from service.api.deps import SchedulerHook, get_principal
 from service.api.middleware import MetricsMiddleware
-from service.api.problems import add_problem_schemas, install_problem_handlers
+from service.api.problems import add_problem_schemas, install_problem_handlers, problem_responses
 from service.api.routes import health, jobs, plans, tokens
 from service.settings import Settings, get_settings
 from service.store.db import make_engine, make_session_factory
@@ -42,7 +42,8 @@ def create_app(
     app.add_middleware(MetricsMiddleware)
     app.include_router(health.router)
     app.include_router(jobs.router)
-    app.include_router(plans.router)
+    # The planner's router carries no auth of its own: any valid token may plan.
+    app.include_router(plans.router, dependencies=[Depends(get_principal)], responses=problem_responses(401))
     app.include_router(tokens.router)
 
     def openapi() -> dict[str, Any]:
