@@ -4,7 +4,9 @@
 
 `fn(rank, world_size, *args)` must be a module-level function (it is pickled by name into
 spawned processes). The process group is initialised before `fn` runs, on a free port.
-A failure on any rank raises `RankFailed` with that rank's traceback.
+A failure on any rank raises `RankFailed` with that rank's traceback. Return plain Python
+values (lists, floats, strings), not tensors: a tensor travels through shared memory that dies
+with the rank process before the parent reads it.
 """
 
 from __future__ import annotations

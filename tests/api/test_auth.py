@@ -16,7 +16,11 @@ def test_missing_or_bad_token_is_401_problem(client: TestClient, tokens: dict[st
         assert r.headers["www-authenticate"] == "Bearer"
         assert r.json()["status"] == 401 and "token" in r.json()["detail"]
     assert client.post("/v1/jobs", json=tiny()).status_code == 401
-    plan_body = {"model": {"preset": "demo"}, "global_batch": 8, "cluster": {"gpu_type": "cpu-virtual", "num_gpus": 8}}
+    plan_body = {
+        "model": {"preset": "demo"},
+        "global_batch": 8,
+        "cluster": {"gpu_type": "cpu-virtual", "num_gpus": 8},
+    }
     assert client.post("/v1/plans", json=plan_body).status_code == 401
     assert client.post("/v1/plans", json=plan_body, headers=bearer(tokens["a"])).status_code == 200
 

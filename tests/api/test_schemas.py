@@ -26,7 +26,12 @@ def test_preset_spec_to_run_config() -> None:
     layout = Layout(dp=8)
     config = spec.to_run_config(layout, "/ckpt/job")
     assert isinstance(config, RunConfig)
-    assert (config.steps, config.layout, config.optim.lr, config.checkpoint.dir) == (30, layout, 0.003, "/ckpt/job")
+    assert (config.steps, config.layout, config.optim.lr, config.checkpoint.dir) == (
+        30,
+        layout,
+        0.003,
+        "/ckpt/job",
+    )
     assert (config.checkpoint.every_steps, config.checkpoint.keep, config.data.kind) == (10, 2, "synthetic")
     assert RunConfig.from_dict(config.to_dict()) == config
 
