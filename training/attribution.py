@@ -51,7 +51,8 @@ class AuditConfig:
 
     def __post_init__(self) -> None:
         if self.snapshot not in SNAPSHOT_MODES:
-            raise ValueError(f"audit.snapshot must be one of {', '.join(SNAPSHOT_MODES)}, got {self.snapshot!r}")
+            allowed = ", ".join(SNAPSHOT_MODES)
+            raise ValueError(f"audit.snapshot must be one of {allowed}, got {self.snapshot!r}")
         if not self.grad_spike_factor > 1:
             raise ValueError(f"audit.grad_spike_factor must be > 1, got {self.grad_spike_factor}")
 
@@ -162,7 +163,8 @@ def rerun_verdict(first: FingerprintVote, rerun: FingerprintVote) -> tuple[list[
     if rerun.ok:
         agreed = rerun.fingerprints[0]
         culprits = [r for r, f in zip(first.ranks, first.fingerprints, strict=True) if f != agreed]
-        evidence["reproduced"] = {str(r): f == agreed for r, f in zip(first.ranks, first.fingerprints, strict=True)}
+        pairs = zip(first.ranks, first.fingerprints, strict=True)
+        evidence["reproduced"] = {str(r): f == agreed for r, f in pairs}
         return culprits, True, evidence
     evidence["reproduced"] = {str(r): True for r in first.ranks}
     return list(rerun.divergent), False, evidence

@@ -12,10 +12,16 @@ source, restores the newest valid checkpoint, then runs `cfg.steps` optimizer st
   3. the DP gradient average completes; optional clipping; the optimizer steps;
   4. the global-batch mean loss (the same on every rank), NaN/Inf and spike checks, and every
      `integrity.fingerprint_every` steps the DP replicas' parameter fingerprints are compared
-     (only when replicas must be bitwise equal: ZeRO-0/1 with dp > 1);
+     (only when replicas must be bitwise equal: ZeRO-0/1 with dp > 1); before the DP reduction
+     each rank also checks its own gradient norm (`hooks.audit`, training.attribution);
   5. the hooks see the progress and may ask for a checkpoint or a stop.
 Control decisions (checkpoint, stop, integrity failure) are agreed by all ranks with one small
-all-reduce per step, so no rank leaves a collective the others are in.
+all-reduce per step, so no rank leaves a collective the others are in. A failed check that a vote
+cannot attribute (two replicas disagreeing) is re-run from the pre-step snapshot to find the
+replica that does not reproduce (training.attribution).
+
+A step whose checks all passed (with a replica comparison where replicas exist) is *verified*
+(`hooks.on_verified`); a restart restores only the checkpoints in `hooks.restore_steps`.
 
 Step numbers count completed optimizer steps: step s (1-based) consumes the data of step s, and
 a checkpoint of step s resumes at step s + 1.
@@ -26,12 +32,15 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from training.attribution import AuditConfig, LocalGradCheck, StepSnapshot, rerun_verdict
 from training.checkpoint import CheckpointInfo, load_latest_checkpoint, save_checkpoint, wait_pending
 from training.config import RunConfig
 from training.data import make_data_source
@@ -39,11 +48,12 @@ from training.digest import full_state, model_digest
 from training.dist import DistContext
 from training.integrity import (
     BitFlipInjector,
+    FingerprintVote,
     IntegrityError,
     LossSpikeDetector,
     check_finite,
-    find_divergent_replicas,
     param_fingerprint,
+    vote_fingerprints,
 )
 from training.mesh import ParallelDims
 from training.model import Transformer, cross_entropy_loss
@@ -93,11 +103,33 @@ class StepInfo:
 class TrainHooks:
     """Override what you need. Every rank calls its own hooks; actions are agreed across ranks."""
 
-    #: Bit flips to inject (tests of the integrity checks): grads after the DP average, params
-    #: after the optimizer step, so a flip on one replica makes it diverge from the others.
+    #: Bit flips to inject (tests of the integrity checks): a rank's local gradient as backward
+    #: produces it, before the DP reduction averages it into every replica; params after the
+    #: optimizer step, so a flip on one replica makes it diverge from the others.
     injector: BitFlipInjector | None = None
+    #: Checks beyond RunConfig.integrity: local gradient norms, pre-step snapshots for re-runs.
+    audit: AuditConfig | None = AuditConfig()
+    #: Restore only a checkpoint of one of these steps (the verified ones); None = any valid one.
+    restore_steps: Collection[int] | None = None
 
     def on_step(self, info: StepInfo) -> Action | None:
+        return None
+
+    def on_restore(self, step: int | None) -> None:
+        """Training starts from checkpoint `step` (None: from scratch)."""
+        return None
+
+    def on_collective(self, step: int, name: str) -> None:
+        """About to enter the per-step control collective `name` that every rank joins (a rank that
+        never reports it while the others did is the one they wait for)."""
+        return None
+
+    def on_checkpoint_start(self, step: int) -> None:
+        """A checkpoint save of `step` begins."""
+        return None
+
+    def on_verified(self, step: int) -> None:
+        """Every rank's integrity checks passed at `step`, replica comparison included."""
         return None
 
     def should_checkpoint(self, step: int) -> bool:
@@ -144,6 +176,15 @@ class Trainer:
         self.optimizers = [build_optimizer([p], layout, cfg, self.dp_group) for p in self.parts]
         self.data = make_data_source(cfg.data, cfg.model, cfg.global_batch)
         self.spikes = LossSpikeDetector(cfg.integrity.loss_spike_factor)
+        audit = self.hooks.audit
+        self.local_check = (LocalGradCheck(audit.grad_spike_factor, audit.grad_warmup)
+                            if audit is not None and audit.local_grad_check else None)
+        snapshot = audit is not None and audit.wants_snapshot(layout.dp, layout.zero_stage)
+        self.snapshot = StepSnapshot(self.parts, self.optimizers) if snapshot else None
+        self.last_vote: FingerprintVote | None = None
+        self.fingerprint_ran = False
+        self._local_error: IntegrityError | None = None
+        self._rerun_local: tuple[float, bool] | None = None
         self.flops_per_token = flops_per_token or model_flops_per_token(cfg.model)
         self.peak = peak_flops(ctx.device)
         self.step = 0
@@ -153,7 +194,9 @@ class Trainer:
         root = self.cfg.checkpoint.dir
         if not root:
             return None
-        loaded = load_latest_checkpoint(root, list(self.parts), self.optimizers)
+        allowed = self.hooks.restore_steps
+        loaded = load_latest_checkpoint(root, list(self.parts), self.optimizers,
+                                        allowed_steps=None if allowed is None else set(allowed))
         if loaded is None:
             return None
         step, extra = loaded
@@ -178,13 +221,18 @@ class Trainer:
         return done
 
     # ---- one step ----------------------------------------------------------------------------
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                         before_sync: Callable[[], None] | None = None) -> torch.Tensor | None:
         """Gradients of the mean loss over this rank's slice; returns the local mean loss (None on
-        pipeline ranks without the last stage)."""
+        pipeline ranks without the last stage). `before_sync` runs after the last backward, while
+        `p.grad` still holds this rank's own gradients (our DDP reduces bucket copies and writes
+        the average back in finish_grad_sync)."""
         layout = self.cfg.layout
         if self.pipeline is not None:
             with no_grad_sync(self.modules):
                 loss = self.pipeline.step(inputs, targets)
+            if before_sync is not None:
+                before_sync()
             finish_grad_sync(self.modules)
             return loss
         module, n = self.modules[0], layout.num_microbatches
@@ -194,6 +242,8 @@ class Trainer:
                 loss = cross_entropy_loss(module(x), y) / n  # mean over the slice's tokens
                 loss.backward()
             total += loss.detach()
+        if before_sync is not None:
+            before_sync()
         finish_grad_sync(self.modules)
         return total
 
@@ -208,14 +258,30 @@ class Trainer:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [item for part in self.parts for item in part.named_parameters()]
 
-    def train_step(self, step: int) -> tuple[float, list[int]]:
+    def _check_local_grads(self, step: int, rerun: bool) -> None:
+        check = self.local_check
+        if check is None:
+            return
+        params = [p for _, p in self.named_parameters()]
+        if rerun:
+            self._rerun_local = check.recheck(params)
+        else:
+            self._local_error = check.check(params, step, self.ctx.rank)
+
+    def train_step(self, step: int, rerun: bool = False) -> tuple[float, list[int]]:
+        """One optimizer step. `rerun`: the same step again from the snapshot (no new snapshot;
+        the local gradient check reports without adding to its history)."""
         dims = self.dims
         inputs, targets = self.data.batch(step, dims.dp_rank, dims.dp_size)
         positions = self.data.positions(step, dims.dp_rank, dims.dp_size)
-        local_loss = self.forward_backward(inputs.to(self.ctx.device), targets.to(self.ctx.device))
+        if self.snapshot is not None and not rerun:
+            self.snapshot.capture(step)
         injector = self.hooks.injector
         if injector is not None:
-            injector.maybe_flip_grads(step, self.named_parameters())
+            injector.arm_grad_flips(step, self.named_parameters())
+        self._local_error = None
+        local_loss = self.forward_backward(inputs.to(self.ctx.device), targets.to(self.ctx.device),
+                                           before_sync=lambda: self._check_local_grads(step, rerun))
         if self.cfg.optim.grad_clip:
             clip_grad_norm(list(self.parts), self.cfg.optim.grad_clip, dims.group("pp"))
         for opt in self.optimizers:
@@ -226,21 +292,33 @@ class Trainer:
         self.step = step
         return self.global_loss(local_loss), positions
 
+    @property
+    def replicas_comparable(self) -> bool:
+        """DP replicas must hold bitwise-equal parameters (ZeRO-0/1 with dp > 1)."""
+        return self.cfg.layout.zero_stage <= 1 and self.cfg.layout.dp > 1
+
+    def vote(self) -> FingerprintVote:
+        return vote_fingerprints(param_fingerprint(list(self.parts)), self.dp_group)
+
     def check_integrity(self, step: int, loss: float) -> IntegrityError | None:
-        cfg, layout = self.cfg, self.cfg.layout
+        cfg = self.cfg
+        self.last_vote, self.fingerprint_ran = None, False
+        error = self._local_error
         try:
             if cfg.integrity.check_finite:
                 check_finite(loss, step)
             self.spikes.check(loss, step)
-            every = cfg.integrity.fingerprint_every
-            if every and step % every == 0 and layout.zero_stage <= 1 and layout.dp > 1:
-                divergent = find_divergent_replicas(param_fingerprint(list(self.parts)), self.dp_group)
-                if divergent:
-                    raise IntegrityError("divergent_replicas", step, divergent,
-                                         {"dp_group": dist.get_process_group_ranks(self.dp_group)})
         except IntegrityError as e:
-            return e
-        return None
+            error = error or e
+        every = cfg.integrity.fingerprint_every
+        if every and step % every == 0 and self.replicas_comparable:
+            # Every rank joins the vote even when another check already failed: it is a collective.
+            vote = self.last_vote = self.vote()
+            self.fingerprint_ran = True
+            if vote.divergent and error is None:
+                error = IntegrityError("divergent_replicas", step, vote.divergent,
+                                       {"dp_group": vote.ranks, "ambiguous": vote.ambiguous})
+        return error
 
     # ---- results -----------------------------------------------------------------------------
     def full_state(self) -> dict[str, torch.Tensor]:
@@ -257,16 +335,65 @@ def _agree(flags: list[bool], device: torch.device) -> list[bool]:
     return [bool(v) for v in t.tolist()]
 
 
-def _shared_error(error: IntegrityError | None) -> IntegrityError:
-    """The integrity error every rank raises: the lowest-ranked detector's, with all detectors' ranks."""
+def _gather(value: Any) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _shared_error(error: IntegrityError | None) -> tuple[IntegrityError, list[tuple]]:
+    """The integrity error every rank raises: the lowest-ranked detector's, with all detectors' ranks;
+    and every detector's (kind, step, ranks, evidence)."""
     # Sent as plain tuples: IntegrityError's constructor arguments do not survive pickling.
     mine = (error.kind, error.step, error.ranks, error.evidence) if error is not None else None
-    gathered: list[tuple | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    found = [e for e in gathered if e is not None]
+    found = [e for e in _gather(mine) if e is not None]
     kind, step, _, evidence = found[0]
     ranks = sorted({r for e in found for r in e[2]})
-    return IntegrityError(kind, step, ranks, evidence)
+    return IntegrityError(kind, step, ranks, evidence), found
+
+
+_LOCAL_KINDS = ("grad_norm_spike", "nonfinite")
+
+
+def _rerun_attribution(
+    trainer: Trainer, step: int, shared: IntegrityError, found: list[tuple]
+) -> IntegrityError:
+    """Run `step` again from the pre-step snapshot on every rank and name the rank(s) whose first
+    result did not reproduce (transient) or did (persistent). See training.attribution."""
+    first = trainer.last_vote
+    trainer.snapshot.restore()  # type: ignore[union-attr]
+    trainer.train_step(step, rerun=True)
+    rerun_vote = trainer.vote() if first is not None else None
+    mine: dict[str, Any] = {"rank": trainer.ctx.rank}
+    if first is not None and rerun_vote is not None and first.divergent:
+        culprits, transient, evidence = rerun_verdict(first, rerun_vote)
+        mine["vote"] = (culprits, transient, evidence)
+    if trainer._rerun_local is not None:
+        mine["local"] = trainer._rerun_local
+    results = _gather(mine)
+    culprits: set[int] = set()
+    transient = True
+    evidence: dict[str, Any] = {"attribution": "rerun from the pre-step snapshot", "first": shared.evidence}
+    votes = {}
+    for res in results:
+        if "vote" in res:
+            c, t, ev = res["vote"]
+            culprits.update(c)
+            transient = transient and t
+            votes[str(tuple(ev["ranks"]))] = ev
+    if votes:
+        evidence["votes"] = list(votes.values())
+    local_named = sorted({r for kind, _, ranks, _ in found if kind in _LOCAL_KINDS for r in ranks})
+    if local_named and len(local_named) < dist.get_world_size():
+        again = [res["rank"] for res in results if res.get("local", (0.0, False))[1]]
+        culprits.update(local_named)
+        transient = transient and not set(again) & set(local_named)
+        evidence["local_rerun"] = {str(res["rank"]): res.get("local", (None,))[0] for res in results}
+    if not culprits:
+        culprits = set(shared.ranks)
+    evidence["transient"] = transient
+    evidence["reproduced"] = not transient
+    return IntegrityError(shared.kind, step, sorted(culprits), evidence)
 
 
 def train(ctx: DistContext, cfg: RunConfig, hooks: TrainHooks | None = None, *, resume: bool = True,
@@ -280,8 +407,11 @@ def train(ctx: DistContext, cfg: RunConfig, hooks: TrainHooks | None = None, *, 
     checkpoints: list[CheckpointInfo] = []
     last_saved = resumed
 
+    hooks.on_restore(resumed)
+
     def checkpoint() -> None:
         nonlocal last_saved
+        hooks.on_checkpoint_start(trainer.step)
         for info in trainer.save():
             checkpoints.append(info)
             hooks.on_checkpoint(info.step, info.path, info.bytes, info.seconds)
@@ -301,12 +431,18 @@ def train(ctx: DistContext, cfg: RunConfig, hooks: TrainHooks | None = None, *, 
         action = hooks.on_step(StepInfo(step, loss, tps, elapsed, mfu, positions)) or Action.CONTINUE
         want_ckpt = action in (Action.CHECKPOINT, Action.CHECKPOINT_AND_STOP) or hooks.should_checkpoint(step)
         want_stop = action in (Action.STOP, Action.CHECKPOINT_AND_STOP)
+        hooks.on_collective(step, "agree")
         want_ckpt, want_stop, failed = _agree([want_ckpt, want_stop, error is not None], device)
         if failed:
-            shared = _shared_error(error)
+            shared, found = _shared_error(error)
+            snap = trainer.snapshot
+            if snap is not None and snap.step == step:
+                shared = _rerun_attribution(trainer, step, shared, found)
             log.error("integrity check failed: %s", shared)
             reaction = hooks.on_integrity_error(shared) or Action.STOP
             want_stop = want_stop or _agree([reaction != Action.CONTINUE], device)[0]
+        elif trainer.fingerprint_ran or not trainer.replicas_comparable:
+            hooks.on_verified(step)
         every = cfg.checkpoint.every_steps
         if cfg.checkpoint.dir and (want_ckpt or (every and step % every == 0)):
             checkpoint()
