@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -133,39 +132,37 @@ def prepare_database(settings: Settings, *, bootstrap: bool) -> tuple[Engine, st
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address (default LATTICE_HOST).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default LATTICE_PORT).")] = None,
+    api_only: Annotated[
+        bool,
+        typer.Option(
+            "--api-only",
+            help="Serve the API and the store only: no Ray, no scheduler (jobs stay pending). "
+            "For extra API replicas; exactly one process runs the scheduler.",
+        ),
+    ] = False,
 ) -> None:
-    """Run the Lattice service (migrates the database first)."""
-    import uvicorn
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from service.api.app import create_app
+    """Run the Lattice service: migrate the database, start (or join) the Ray cluster, run the
+    scheduler, serve the API. Ctrl-C stops it; running jobs resume on the next start."""
+    from service.runtime import Runtime, ServiceStartError, configure_logging
 
     settings = _settings()
     updates = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
     settings = settings.model_copy(update=updates)
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("alembic").setLevel(max(logging.WARNING, logging.getLogger().level))
-    settings.home.mkdir(parents=True, exist_ok=True)
+    configure_logging(settings)
+    runtime = Runtime(settings, with_scheduler=not api_only)
     try:
-        engine, token = prepare_database(settings, bootstrap=True)
-    except SQLAlchemyError as e:
-        where = _display_url(settings.db_url)
-        raise CliError(f"cannot prepare the database {where}: {_first_line(e)}") from e
-    if token is not None:
-        out.print(f"Admin token (shown once; saved to {settings.token_path}, mode 0600):")
-        out.print(token, soft_wrap=True)
-    client_host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-    settings.server_file.write_text(f"http://{client_host}:{settings.port}\n")
-    out.print(f"Lattice listening on http://{settings.host}:{settings.port}")
-    uvicorn.run(
-        create_app(settings, engine=engine),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level.lower(),
-        access_log=settings.log_level.lower() == "debug",
-    )
+        runtime.start()
+    except ServiceStartError as e:
+        raise CliError(str(e)) from e
+    try:
+        if runtime.admin_token is not None:
+            out.print(f"Admin token (shown once; saved to {settings.token_path}, mode 0600):")
+            out.print(runtime.admin_token, soft_wrap=True)
+        settings.server_file.write_text(runtime.client_url() + "\n")
+        out.print(f"Lattice listening on http://{settings.host}:{settings.port}")
+        runtime.serve_forever()
+    finally:
+        runtime.stop()
 
 
 # ---- jobs ----------------------------------------------------------------------------------------

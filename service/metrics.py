@@ -16,31 +16,47 @@ _RECOVERY_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
 # ---- service -----------------------------------------------------------------------------
 HTTP_REQUESTS = Counter(
-    "lattice_http_requests_total", "HTTP requests served, by route template, method and status.",
-    ["route", "method", "status"], registry=REGISTRY,
+    "lattice_http_requests_total",
+    "HTTP requests served, by route template, method and status.",
+    ["route", "method", "status"],
+    registry=REGISTRY,
 )
 HTTP_LATENCY = Histogram(
-    "lattice_http_request_duration_seconds", "HTTP request latency, by route template and method.",
-    ["route", "method"], buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+    "lattice_http_request_duration_seconds",
+    "HTTP request latency, by route template and method.",
+    ["route", "method"],
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
 )
 
 # ---- jobs --------------------------------------------------------------------------------
 JOBS_BY_STATE = Gauge("lattice_jobs", "Jobs in the store, by state.", ["state"], registry=REGISTRY)
-QUEUE_DEPTH = Gauge("lattice_queue_depth", "Jobs waiting for capacity (pending or queued).", registry=REGISTRY)
+QUEUE_DEPTH = Gauge(
+    "lattice_queue_depth", "Jobs waiting for capacity (pending or queued).", registry=REGISTRY
+)
 QUEUE_WAIT = Histogram(
-    "lattice_queue_wait_seconds", "Time from submit to start of a job.",
-    buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600), registry=REGISTRY,
+    "lattice_queue_wait_seconds",
+    "Time from submit to start of a job.",
+    buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600),
+    registry=REGISTRY,
 )
 
 # ---- per active job ------------------------------------------------------------------------
 JOB_STEP = Gauge("lattice_job_step", "Last completed optimizer step.", ["job_id"], registry=REGISTRY)
 JOB_LOSS = Gauge("lattice_job_loss", "Training loss at the last step.", ["job_id"], registry=REGISTRY)
-JOB_TOKENS_PER_S = Gauge("lattice_job_tokens_per_second", "Training throughput.", ["job_id"], registry=REGISTRY)
+JOB_TOKENS_PER_S = Gauge(
+    "lattice_job_tokens_per_second", "Training throughput.", ["job_id"], registry=REGISTRY
+)
 JOB_MFU = Gauge("lattice_job_mfu", "Measured model FLOPs utilisation.", ["job_id"], registry=REGISTRY)
-JOB_MFU_PREDICTED = Gauge("lattice_job_mfu_predicted", "The planner's predicted MFU.", ["job_id"], registry=REGISTRY)
+JOB_MFU_PREDICTED = Gauge(
+    "lattice_job_mfu_predicted", "The planner's predicted MFU.", ["job_id"], registry=REGISTRY
+)
 JOB_STEP_TIME = Histogram(
-    "lattice_job_step_seconds", "Optimizer step wall time.", ["job_id"],
-    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=REGISTRY,
+    "lattice_job_step_seconds",
+    "Optimizer step wall time.",
+    ["job_id"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+    registry=REGISTRY,
 )
 JOB_CHECKPOINT_SECONDS = Gauge(
     "lattice_job_checkpoint_seconds", "Duration of the last checkpoint save.", ["job_id"], registry=REGISTRY
@@ -52,15 +68,23 @@ JOB_RESTARTS = Counter(
     "lattice_job_restarts_total", "Job restarts, by cause.", ["job_id", "cause"], registry=REGISTRY
 )
 JOB_TIME_TO_DETECT = Histogram(
-    "lattice_job_time_to_detect_seconds", "Fault to detection.", ["job_id"],
-    buckets=_RECOVERY_BUCKETS, registry=REGISTRY,
+    "lattice_job_time_to_detect_seconds",
+    "Fault to detection.",
+    ["job_id"],
+    buckets=_RECOVERY_BUCKETS,
+    registry=REGISTRY,
 )
 JOB_TIME_TO_RECOVER = Histogram(
-    "lattice_job_time_to_recover_seconds", "Detection to the first step after resume.", ["job_id"],
-    buckets=_RECOVERY_BUCKETS, registry=REGISTRY,
+    "lattice_job_time_to_recover_seconds",
+    "Detection to the first step after resume.",
+    ["job_id"],
+    buckets=_RECOVERY_BUCKETS,
+    registry=REGISTRY,
 )
 JOB_STEPS_LOST = Counter(
-    "lattice_job_steps_lost_total", "Steps computed and then thrown away by a restore.", ["job_id"],
+    "lattice_job_steps_lost_total",
+    "Steps computed and then thrown away by a restore.",
+    ["job_id"],
     registry=REGISTRY,
 )
 JOB_GOODPUT = Gauge(
@@ -80,14 +104,27 @@ SDC_DETECTIONS = Counter("lattice_sdc_detections_total", "SDC detections across 
 GPUS_TOTAL = Gauge("lattice_cluster_gpus_total", "GPUs per node.", ["node", "rack"], registry=REGISTRY)
 GPUS_FREE = Gauge("lattice_cluster_gpus_free", "Free GPUs per node.", ["node", "rack"], registry=REGISTRY)
 NODE_HEALTH = Gauge(
-    "lattice_node_health", "1 for the node's current health state, by state.", ["node", "rack", "state"],
+    "lattice_node_health",
+    "1 for the node's current health state, by state.",
+    ["node", "rack", "state"],
     registry=REGISTRY,
 )
 NODES_QUARANTINED = Gauge("lattice_nodes_quarantined", "Nodes in quarantine.", registry=REGISTRY)
 
 PER_JOB_METRICS = (
-    JOB_STEP, JOB_LOSS, JOB_TOKENS_PER_S, JOB_MFU, JOB_MFU_PREDICTED, JOB_STEP_TIME, JOB_CHECKPOINT_SECONDS,
-    JOB_CHECKPOINT_BYTES, JOB_TIME_TO_DETECT, JOB_TIME_TO_RECOVER, JOB_STEPS_LOST, JOB_GOODPUT, JOB_SDC,
+    JOB_STEP,
+    JOB_LOSS,
+    JOB_TOKENS_PER_S,
+    JOB_MFU,
+    JOB_MFU_PREDICTED,
+    JOB_STEP_TIME,
+    JOB_CHECKPOINT_SECONDS,
+    JOB_CHECKPOINT_BYTES,
+    JOB_TIME_TO_DETECT,
+    JOB_TIME_TO_RECOVER,
+    JOB_STEPS_LOST,
+    JOB_GOODPUT,
+    JOB_SDC,
 )
 
 

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 
 # A job whose controller keeps vanishing (it cannot even start) is failed after this many recoveries.
 MAX_CONTROLLER_RECOVERIES = 10
+# A controller whose poll() raises this many times in a row is replaced (the job recovers).
+MAX_POLL_ERRORS = 30
 # Controller states in which a job has not yet reserved its GPUs: while one exists, no other job is
 # started, so that two controllers never race for the same free GPUs.
 _UNPLACED = {"INIT", "PLACING"}
@@ -87,6 +89,7 @@ class Attached:
     step: int = 0
     cancel_sent: bool = False
     failure_cause: str = "unknown"
+    poll_errors: int = 0
 
     def gpus_by_node(self) -> dict[str, int]:
         if self.controller_state == "WAITING":
@@ -176,7 +179,10 @@ class Scheduler:
     def tick(self) -> None:
         self._send_cancels()
         for job_id in list(self._attached):
-            self._poll(job_id)
+            try:
+                self._poll(job_id)
+            except Exception:  # noqa: BLE001 - one job's trouble must not stall the others
+                log.exception("job %s: poll/ingest failed", job_id)
         topology = self._refresh_cluster()
         self._admit_pending(topology)
         self._schedule(topology)
@@ -250,6 +256,15 @@ class Scheduler:
             del self._attached[job_id]
             self._recover(job_id, f"its controller died: {type(e).__name__}")
             return
+        except RayError as e:  # poll() itself raised: a controller bug; do not let it stall the others
+            a.poll_errors += 1
+            log.error("job %s: controller poll failed (%d in a row): %s", job_id, a.poll_errors, e)
+            if a.poll_errors >= MAX_POLL_ERRORS:
+                del self._attached[job_id]
+                self._kill(job_id)
+                self._recover(job_id, f"its controller failed {a.poll_errors} polls in a row: {e}"[:500])
+            return
+        a.poll_errors = 0
         try:
             self._ingest(a, snap)
         except (ConcurrentUpdate, IllegalTransition) as e:

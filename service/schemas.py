@@ -390,6 +390,20 @@ def _check_storable(value: Any, path: str) -> None:
 
 
 # ---- public views ---------------------------------------------------------------------------------
+class RankPlacementPublic(BaseModel):
+    """Where one rank runs, as its actor reported it."""
+
+    rank: int
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+    node_id: str = Field(description="Ray node id of the node the rank runs on.")
+    node_name: str | None = Field(None, description="The node's name (its `node_name` label), e.g. r1-n2.")
+    rack: str
+    gpu: int = Field(description="GPU index on the node (-1 if Ray did not assign an index).")
+
+
 class Progress(BaseModel):
     step: int = Field(description="Last completed optimizer step.")
     total_steps: int = Field(description="Steps the job will run.")
@@ -412,6 +426,9 @@ class JobPublic(BaseModel):
     plan: dict[str, Any] | None = Field(description="The planner's Plan (layout and its evidence).")
     progress: Progress
     result: dict[str, Any] | None = Field(description="Outputs of a finished job, e.g. the model digest.")
+    placement: list[RankPlacementPublic] | None = Field(
+        None, description="Where each rank runs, read back from the rank actors; null before the ranks start."
+    )
     error: str | None
     created_at: dt.datetime
     updated_at: dt.datetime
@@ -438,6 +455,7 @@ class JobPublic(BaseModel):
                 mfu=job.mfu,
             ),
             result=job.result,
+            placement=[RankPlacementPublic.model_validate(r) for r in job.placement or []] or None,
             error=job.error,
             created_at=job.created_at,
             updated_at=job.updated_at,

@@ -44,7 +44,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
             pass
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], args: tuple = (), timeout_s: float = 300.0) -> list[Any]:
+def run_ranks(
+    world_size: int, fn: Callable[..., Any], args: tuple = (), timeout_s: float = 300.0
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

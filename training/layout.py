@@ -17,11 +17,20 @@ Schedule = Literal[
 Recompute = Literal["none", "selective", "full"]
 
 SCHEDULES: tuple[str, ...] = (
-    "none", "gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev",
+    "none",
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
 )
 # Schedules that put more than one stage (a "virtual" stage) on each pipeline rank.
 MULTI_STAGE_SCHEDULES: tuple[str, ...] = (
-    "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev",
+    "interleaved_1f1b",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
 )
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")  # slowest -> fastest varying
@@ -72,7 +81,9 @@ class Layout:
         if self.schedule not in SCHEDULES:
             raise LayoutError(f"layout.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.recompute not in RECOMPUTE:
-            raise LayoutError(f"layout.recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+            raise LayoutError(
+                f"layout.recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}"
+            )
         if self.pp == 1 and self.schedule != "none":
             raise LayoutError(f"layout.schedule must be 'none' when pp == 1, got {self.schedule!r}")
         if self.pp > 1 and self.schedule == "none":
@@ -95,9 +106,7 @@ class Layout:
 
     def check_world_size(self, world_size: int) -> None:
         if self.world_size != world_size:
-            raise LayoutError(
-                f"tp x cp x dp x pp = {self.world_size} must equal the world size {world_size}"
-            )
+            raise LayoutError(f"tp x cp x dp x pp = {self.world_size} must equal the world size {world_size}")
 
     # ---- derived quantities -------------------------------------------------------------
     @property
@@ -140,7 +149,9 @@ class Layout:
         known = set(cls.__dataclass_fields__)
         unknown = set(data) - known
         if unknown:
-            raise LayoutError(f"unknown layout field(s): {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(known))}")
+            raise LayoutError(
+                f"unknown layout field(s): {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(known))}"
+            )
         return cls(**data)
 
     def with_(self, **changes: Any) -> Layout:

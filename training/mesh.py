@@ -4,16 +4,31 @@ Rank order is the Layout's (TP fastest-varying, then CP, DP, PP), so a TP group 
 consecutive ranks. Everything else asks `ParallelDims` for a sub-mesh or a process group and
 never recomputes rank arithmetic. Degenerate size-1 dimensions are kept (their groups are
 single-rank), so code can always ask for `dims.group("dp")`.
+
+Derived dimensions (built only when cp > 1 or ep > 1, so dense layouts create no extra groups):
+
+    dp_cp   dp x cp flattened (torchtitan's dp_shard_cp): every rank holding the same dense
+            weights; dense gradients are averaged and ZeRO/FSDP shard over it.
+    ep      runs of `ep` consecutive dp_cp ranks: one MoE layer's experts are split over them
+            and tokens are exchanged with all-to-all (training/moe.py, expert_parallel_groups).
+    edp     expert data parallel: the dp_cp ranks with the same ep index, which hold the same
+            experts (dp x cp / ep of them); expert gradients are reduced over it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from training.layout import MESH_DIMS, Layout, LayoutError, RankCoord
+
+DERIVED_DIMS: tuple[str, ...] = ("dp_cp", "ep", "edp")
+
+# ParallelDims already built for a mesh (by id), so `parallelize` called with a bare mesh (once
+# per pipeline stage) reuses the derived meshes instead of creating new process groups.
+_BY_MESH: dict[int, ParallelDims] = {}
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
@@ -35,22 +50,55 @@ class ParallelDims:
 
     layout: Layout
     mesh: DeviceMesh
+    derived: dict[str, DeviceMesh] = field(default_factory=dict)
 
     @classmethod
     def build(cls, layout: Layout, device_type: str) -> ParallelDims:
-        if layout.cp > 1:
-            raise LayoutError("layout.cp > 1 (context parallel) is not supported by the train loop; use cp=1")
-        if layout.ep > 1:
-            raise LayoutError("layout.ep > 1 (expert parallel) is not supported by the train loop; use ep=1")
-        return cls(layout=layout, mesh=build_mesh(layout, device_type))
+        return cls.from_mesh(layout, build_mesh(layout, device_type))
+
+    @classmethod
+    def from_mesh(cls, layout: Layout, mesh: DeviceMesh) -> ParallelDims:
+        """The dims of an existing 4-D mesh (collective the first time: it may create the groups
+        of the derived dimensions; every rank must call it)."""
+        known = _BY_MESH.get(id(mesh))
+        if known is not None and known.mesh is mesh and known.layout == layout:
+            return known
+        if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS or tuple(mesh.shape) != layout.mesh_shape():
+            raise LayoutError(
+                f"mesh {mesh} does not match the layout's (pp, dp, cp, tp) = {layout.mesh_shape()}"
+            )
+        dims = cls(layout=layout, mesh=mesh)
+        if layout.cp > 1 or layout.ep > 1:
+            dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
+            dims.derived["dp_cp"] = dp_cp
+            if layout.ep > 1:
+                # Runs of ep consecutive dp_cp ranks (training.moe.expert_parallel_groups).
+                split = dp_cp._unflatten(0, (layout.dp * layout.cp // layout.ep, layout.ep), ("edp", "ep"))
+                dims.derived["ep"], dims.derived["edp"] = split["ep"], split["edp"]
+        _BY_MESH[id(mesh)] = dims
+        return dims
 
     def submesh(self, name: str) -> DeviceMesh:
-        if name not in MESH_DIMS:
-            raise ValueError(f"mesh dimension must be one of {', '.join(MESH_DIMS)}, got {name!r}")
-        return self.mesh[name]
+        if name in MESH_DIMS:
+            return self.mesh[name]
+        if name == "dp_cp":
+            return self.derived.get("dp_cp", self.mesh["dp"])  # cp == 1: the dp mesh itself
+        if name in ("ep", "edp"):
+            if self.layout.ep == 1:
+                raise ValueError(f"mesh dimension {name!r} exists only when layout.ep > 1")
+            return self.derived[name]
+        raise ValueError(f"mesh dimension must be one of {', '.join(MESH_DIMS + DERIVED_DIMS)}, got {name!r}")
 
     def group(self, name: str) -> dist.ProcessGroup:
         return self.submesh(name).get_group()
+
+    def replica_group(self) -> dist.ProcessGroup:
+        """The ranks that hold exactly the same parameters as this one: dp x cp, or with expert
+        parallel the expert-data-parallel group (its EP partners hold other experts). ZeRO-1
+        shards the optimizer state over it and the integrity check compares fingerprints in it."""
+        if self.layout.ep > 1:
+            return self.group("edp")
+        return self.group("dp_cp")
 
     @property
     def coord(self) -> RankCoord:
@@ -63,6 +111,10 @@ class ParallelDims:
     @property
     def dp_size(self) -> int:
         return self.layout.dp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coord.cp
 
     @property
     def pp_rank(self) -> int:

@@ -1,4 +1,5 @@
-"""A GPT-style decoder in one file: RMSNorm, RoPE, grouped-query attention, SwiGLU or GELU MLP.
+"""A GPT-style decoder in one file: RMSNorm, RoPE, grouped-query attention, SwiGLU or GELU MLP,
+optionally mixture-of-experts blocks, and context parallel attention.
 
 Built from the planner's `ModelSpec`. Canonical parameter names (kept by every layout, so state
 dicts, checkpoints and digests do not depend on how the model is split):
@@ -8,6 +9,8 @@ dicts, checkpoints and digests do not depend on how the model is split):
     layers.<i>.attention.{wq,wk,wv,wo}.weight
     layers.<i>.ffn_norm.weight
     layers.<i>.feed_forward.{w1,w2,w3}.weight      (w3 only for swiglu)
+    layers.<i>.feed_forward.router.weight          (MoE blocks, instead of w1/w2/w3)
+    layers.<i>.feed_forward.{w_gate,w_up,w_down}   (MoE blocks: all experts stacked on dim 0)
     norm.weight
     output.weight                                   (absent when tied_embeddings)
 
@@ -17,7 +20,22 @@ A pipeline stage is the same class with the layers it does not own deleted and
 Initialisation is by name: every parameter is drawn from a generator seeded by (seed, name)
 over its *full* shape, and a sharded parameter (DTensor) keeps the slice it owns. The same seed
 therefore gives the same full weights for any layout, including a model built on the meta
-device and materialised after tensor parallelism or FSDP.
+device and materialised after tensor parallelism or FSDP. MoE blocks draw each expert from its
+own (seed, layer, tensor, expert) generator (training/moe.py), so expert parallel ranks draw
+only the experts they hold.
+
+Context parallel (`set_context_parallel`, docs/context_parallel.md): the first stage takes the
+full sequence of tokens and keeps this CP rank's load-balanced shard (chunks r and 2cp-1-r);
+attention runs the ring over the CP group with RoPE at the tokens' global positions; `loss`
+shards the targets the same way. Everything else is token-wise and needs nothing.
+
+MoE (ModelSpec.num_experts > 0): the load-balancing loss of every MoE block enters the gradient
+with weight `aux_loss_scale` through `_AuxLossGrad` (Megatron-LM's MoEAuxLossAutoScaler): the
+block's output passes through unchanged and its backward also seeds d(aux) = scale. That works
+on every pipeline stage without sending the aux values to the loss; `training.parallelize` sets
+the scale to aux_loss_coef / num_microbatches (or aux_loss_coef under a pipeline schedule,
+which divides the gradients itself). The reported loss is the language-model cross-entropy;
+`aux_losses()` gives the last aux values.
 """
 
 from __future__ import annotations
@@ -26,10 +44,14 @@ import hashlib
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
+from training.context_parallel import cp_attention, cp_positions, shard_sequence
+from training.moe import MoELayer
 from training.spec import ModelSpec
 
 # Wrapper prefixes that torch inserts into parameter names; stripped to get canonical names.
@@ -87,6 +109,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(spec.hidden, spec.n_kv_heads * spec.head_dim, bias=False)
         self.wv = nn.Linear(spec.hidden, spec.n_kv_heads * spec.head_dim, bias=False)
         self.wo = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=False)
+        # Context parallel (set by Transformer.set_context_parallel): x holds this rank's shard.
+        self.cp_group: ProcessGroup | None = None
+        self.cp_rank, self.cp_size = 0, 1
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, t, _ = x.shape
@@ -94,12 +119,14 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, t, -1, self.head_dim)  # (B, T, Hq, hd)
         k = self.wk(x).view(bsz, t, -1, self.head_dim)  # (B, T, Hkv, hd)
         v = self.wv(x).view(bsz, t, -1, self.head_dim)  # (B, T, Hkv, hd)
+        if self.cp_size > 1:
+            # The rank holds chunks r and 2cp-1-r of the sequence: rotate at their global positions.
+            pos = cp_positions(t * self.cp_size, self.cp_rank, self.cp_size, device=cos.device)  # (T,)
+            cos, sin = cos[pos], sin[pos]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=2)  # (B, T, Hq, hd)
-            v = v.repeat_interleave(self.n_rep, dim=2)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        # Plain SDPA without CP, ring attention over the CP group with it; K/V keep Hkv heads (GQA).
+        y = cp_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.cp_group, causal=True
         )  # (B, Hq, T, hd)
         y = y.transpose(1, 2).reshape(bsz, t, -1)  # (B, T, Hq * hd)
         return self.wo(y)  # (B, T, C)
@@ -121,16 +148,43 @@ class FeedForward(nn.Module):
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))  # (B, T, C)
 
 
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on the block output whose backward also seeds d(aux) = scale (Megatron-LM's
+    MoEAuxLossAutoScaler): the aux loss joins the gradient on whatever stage computed it."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, out: torch.Tensor, aux: torch.Tensor,  # type: ignore[override]
+                scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.save_for_backward(aux)
+        return out
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor  # type: ignore[override]
+                 ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block. `recompute` is set by `training.parallelize` (none | selective | full)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layer_id: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(spec.hidden, spec.norm_eps)
         self.attention = Attention(spec)
         self.ffn_norm = RMSNorm(spec.hidden, spec.norm_eps)
-        self.feed_forward = FeedForward(spec)
+        self.is_moe = spec.is_moe_layer(layer_id)
+        self.feed_forward: nn.Module
+        if self.is_moe:
+            # Weights are redrawn by Transformer.init_weights from (seed, layer name).
+            self.feed_forward = MoELayer(spec.hidden, spec.expert_ffn_dim, spec.num_experts, spec.top_k,
+                                         spec.capacity_factor, activation=spec.activation)
+        else:
+            self.feed_forward = FeedForward(spec)
         self.recompute = "none"
+        self.aux_loss_scale = spec.aux_loss_coef  # weight of d(aux) in backward (MoE blocks)
+        self.last_aux: torch.Tensor | None = None
 
     def _attention_branch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self.attention(self.attention_norm(x), cos, sin)
@@ -140,7 +194,14 @@ class TransformerBlock(nn.Module):
             h = x + checkpoint(self._attention_branch, x, cos, sin, use_reentrant=False)
         else:
             h = x + self._attention_branch(x, cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        if not self.is_moe:
+            return h + self.feed_forward(self.ffn_norm(h))
+        y, aux = self.feed_forward(self.ffn_norm(h))  # dropped tokens: y = 0, the residual carries them
+        self.last_aux = aux.detach()
+        out = h + y  # (B, T, C)
+        if self.aux_loss_scale and out.requires_grad:
+            out = _AuxLossGrad.apply(out, aux, self.aux_loss_scale)
+        return out
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full":
@@ -155,7 +216,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.spec = spec
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(spec) for i in range(spec.layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(spec, i) for i in range(spec.layers)})
         self.norm: RMSNorm | None = RMSNorm(spec.hidden, spec.norm_eps)
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
         if spec.tied_embeddings:
@@ -164,9 +225,42 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(spec.head_dim, spec.seq_len, spec.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.cp_group: ProcessGroup | None = None
+        self.cp_rank, self.cp_size = 0, 1
+
+    # ---- parallel settings (training.parallelize calls these) ---------------------------------
+    def set_context_parallel(self, cp_group: ProcessGroup | None) -> None:
+        """Run attention as a ring over `cp_group`; tokens and targets are sharded along the sequence."""
+        size = dist.get_world_size(cp_group) if cp_group is not None else 1
+        rank = dist.get_rank(cp_group) if cp_group is not None else 0
+        self.cp_group, self.cp_rank, self.cp_size = (cp_group if size > 1 else None), rank, size
+        for block in self.layers.values():
+            attn = block.attention
+            attn.cp_group, attn.cp_rank, attn.cp_size = self.cp_group, rank, size
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """Weight of each MoE block's aux loss in the gradient (coef / micro-batches per step)."""
+        for block in self.layers.values():
+            block.aux_loss_scale = scale
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [b.feed_forward for b in self.layers.values() if b.is_moe]
+
+    def aux_losses(self) -> list[float]:
+        """The aux loss of every MoE block of this part in the last forward (this rank's aux_r)."""
+        return [float(b.last_aux) for b in self.layers.values() if b.is_moe and b.last_aux is not None]
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over this rank's tokens; `targets` is the full sequence (sharded for CP)."""
+        return sharded_cross_entropy(logits, targets, self.cp_rank, self.cp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T, C)
+        if self.tok_embeddings is not None:
+            if self.cp_size > 1:
+                x = shard_sequence(x, self.cp_rank, self.cp_size, dim=1)  # (B, T/cp): chunks r, 2cp-1-r
+            h = self.tok_embeddings(x)  # (B, T, C)
+        else:
+            h = x
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin)  # (B, T, C)
         if self.norm is not None:
@@ -188,9 +282,16 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.spec.head_dim, self.spec.seq_len, self.spec.rope_theta, device=device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        moe_prefixes = tuple(f"layers.{k}.feed_forward." for k, b in self.layers.items() if b.is_moe)
         for name, param in self.named_parameters():
-            full = init_tensor(self.spec, canonical_name(name), tuple(param.shape), seed)
+            cname = canonical_name(name)
+            if cname.startswith(moe_prefixes):  # drawn per expert below
+                continue
+            full = init_tensor(self.spec, cname, tuple(param.shape), seed)
             copy_full_into(param, full)
+        for key, block in self.layers.items():
+            if block.is_moe:
+                block.feed_forward.reset_parameters(_name_seed(seed, f"layers.{key}.feed_forward"))
 
 
 def _name_seed(seed: int, name: str) -> int:
@@ -227,6 +328,18 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
+def sharded_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, cp_rank: int, cp_size: int
+                          ) -> torch.Tensor:
+    """Cross-entropy of a CP rank's logits (B, T/cp, V) against its shard of the full targets (B, T).
+
+    Every CP rank holds T/cp tokens, so the mean of the ranks' means is the full-sequence mean and
+    averaging gradients over dp x cp gives its gradient (docs/context_parallel.md).
+    """
+    if cp_size > 1 and targets.size(1) != logits.size(1):
+        targets = shard_sequence(targets, cp_rank, cp_size, dim=1)  # (B, T/cp), the same chunks as x
+    return cross_entropy_loss(logits, targets)
+
+
 def build_model(spec: ModelSpec, seed: int, device: torch.device | str = "cpu") -> Transformer:
     """The full model, initialised (no parallelism); on "meta" it is left uninitialised."""
     with torch.device(device):
@@ -249,18 +362,28 @@ def prune_to_stage(model: Transformer, layer_ids: list[int], first: bool, last: 
     return model
 
 
-def count_params(spec: ModelSpec) -> tuple[int, int]:
-    """(total, embedding) parameter counts of the full dense model."""
+def _layer_params(spec: ModelSpec, active: bool) -> int:
+    """Parameters of all blocks; with `active`, only the top_k experts a token passes through."""
     h, f, kv = spec.hidden, spec.ffn_dim, spec.n_kv_heads * spec.head_dim
+    mats = 3 if spec.activation == "swiglu" else 2
     attn = 2 * h * h + 2 * h * kv
-    mlp = (3 if spec.activation == "swiglu" else 2) * h * f
-    per_layer = attn + mlp + 2 * h
-    embed = spec.vocab * h
-    head = 0 if spec.tied_embeddings else spec.vocab * h
-    return spec.layers * per_layer + embed + head + h, embed
+    dense_mlp = mats * h * f
+    experts = (spec.top_k if active else spec.num_experts) * mats * h * spec.expert_ffn_dim
+    moe_mlp = experts + h * spec.num_experts  # experts + router
+    n_moe = spec.num_moe_layers
+    return spec.layers * (attn + 2 * h) + (spec.layers - n_moe) * dense_mlp + n_moe * moe_mlp
+
+
+def count_params(spec: ModelSpec) -> tuple[int, int]:
+    """(total, embedding) parameter counts of the full model (every expert counted)."""
+    embed = spec.vocab * spec.hidden
+    head = 0 if spec.tied_embeddings else spec.vocab * spec.hidden
+    return _layer_params(spec, active=False) + embed + head + spec.hidden, embed
 
 
 def flops_per_token(spec: ModelSpec) -> float:
-    """Training FLOPs per token: 6N (non-embedding) + 12 L h s (PaLM, Chowdhery et al. 2022, App. B)."""
+    """Training FLOPs per token: 6N (non-embedding, MoE: active experts only) + 12 L h s
+    (PaLM, Chowdhery et al. 2022, App. B; active parameters: Fedus et al. 2022, Switch, sec. 2)."""
     total, embed = count_params(spec)
-    return 6.0 * (total - embed) + 12.0 * spec.layers * spec.hidden * spec.seq_len
+    active = total - _layer_params(spec, active=False) + _layer_params(spec, active=True)
+    return 6.0 * (active - embed) + 12.0 * spec.layers * spec.hidden * spec.seq_len

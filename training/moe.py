@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -161,21 +162,70 @@ class MoELayer(nn.Module):
         # Every expert tensor is drawn from its own generator, seeded from (seed, tensor, expert):
         # any EP degree holds the same weights, and a rank only materialises its own shard (the
         # full expert set of a DeepSeek-V3-sized layer would not fit in host memory). Init
-        # N(0, init_std) (GPT-2).
+        # N(0, init_std) (GPT-2). On the meta device nothing is drawn: `reset_parameters` later.
+        self.seed, self.init_std = seed, init_std
         kw = {"device": device, "dtype": dtype}
-        experts = range(self.first_expert, self.first_expert + self.local_experts)
 
-        def shard(which: int, *shape: int) -> nn.Parameter:
-            draws = [torch.randn(*shape, generator=_expert_generator(seed, which, e)) for e in experts]
-            return nn.Parameter((torch.stack(draws) * init_std).to(**kw))  # type: ignore[arg-type]
+        def empty(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(self.local_experts, *shape, **kw))  # type: ignore[arg-type]
 
         self.router = nn.Linear(hidden, num_experts, bias=False, **kw)  # type: ignore[arg-type]
-        with torch.no_grad():
-            router = torch.randn(num_experts, hidden, generator=torch.Generator().manual_seed(seed))
-            self.router.weight.copy_(router * init_std)
-        self.w_gate = shard(0, hidden, expert_ffn) if activation == "swiglu" else None  # (E_local, h, ffn)
-        self.w_up = shard(1, hidden, expert_ffn)  # (E_local, hidden, ffn)
-        self.w_down = shard(2, expert_ffn, hidden)  # (E_local, ffn, hidden)
+        self.w_gate = empty(hidden, expert_ffn) if activation == "swiglu" else None  # (E_local, h, ffn)
+        self.w_up = empty(hidden, expert_ffn)  # (E_local, hidden, ffn)
+        self.w_down = empty(expert_ffn, hidden)  # (E_local, ffn, hidden)
+        if not self.router.weight.is_meta:
+            self.reset_parameters()
+
+    # ---- initialisation and expert parallel over a device mesh -----------------------------------
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Draw the router and this rank's experts from (seed, tensor, expert) generators.
+
+        Works for plain shards and for DTensor parameters (experts Shard(0) over an EP mesh, or
+        any FSDP sharding): each rank draws only the experts (or router rows) it holds.
+        """
+        from torch.distributed.tensor import DTensor
+
+        self.seed = self.seed if seed is None else seed
+        gen = torch.Generator().manual_seed(self.seed)
+        router = torch.randn(self.num_experts, self.hidden, generator=gen, device="cpu") * self.init_std
+        _copy_rows(self.router.weight, router)
+        for which, p in ((0, self.w_gate), (1, self.w_up), (2, self.w_down)):
+            if p is None:
+                continue
+            if isinstance(p, DTensor):
+                first, count = _dim0_slice(p)
+            else:
+                first, count = self.first_expert, self.local_experts
+            shape = tuple(p.shape[1:])
+            draws = [torch.randn(*shape, generator=_expert_generator(self.seed, which, e), device="cpu")
+                     for e in range(first, first + count)]
+            local = _local(p)
+            if draws:
+                local.copy_((torch.stack(draws) * self.init_std).to(dtype=local.dtype, device=local.device))
+
+    def shard_experts(self, ep_mesh: DeviceMesh) -> None:
+        """Expert parallel over a 1-D device mesh: keep this rank's E/ep experts, as DTensors
+        Shard(0) over `ep_mesh` (so checkpoints, digests and gradient clipping see the full
+        expert tensors). Call before the weights are materialised, or on a full (ep = 1) layer."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self.ep != 1:
+            raise MoEError("shard_experts needs a layer built with ep_group=None (all experts local)")
+        ep = ep_mesh.size()
+        if self.num_experts % ep != 0:
+            raise MoEError(f"model.num_experts ({self.num_experts}) must be divisible by layout.ep ({ep})")
+        self.ep_group = ep_mesh.get_group()
+        self.ep, self.ep_rank = ep, ep_mesh.get_local_rank()
+        self.local_experts = self.num_experts // ep
+        self.first_expert = self.ep_rank * self.local_experts
+        for name in ("w_gate", "w_up", "w_down"):
+            p = getattr(self, name)
+            if p is None:
+                continue
+            local = p.detach().narrow(0, self.first_expert, self.local_experts).clone()
+            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            setattr(self, name, nn.Parameter(sharded, requires_grad=p.requires_grad))
 
     # ---- parameter groups --------------------------------------------------------------------------
     def expert_parameters(self) -> list[nn.Parameter]:
@@ -190,13 +240,15 @@ class MoELayer(nn.Module):
     def _experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Run local expert e on the next counts[e] rows of x (rows grouped by expert)."""
         outs = []
+        w_up, w_down = _local(self.w_up), _local(self.w_down)
+        w_gate = _local(self.w_gate) if self.w_gate is not None else None
         for e, rows in enumerate(torch.split(x, counts)):
-            h = rows @ self.w_up[e]  # (n_e, ffn)
-            if self.w_gate is not None:
-                h = F.silu(rows @ self.w_gate[e]) * h  # SwiGLU (Shazeer 2020)
+            h = rows @ w_up[e]  # (n_e, ffn)
+            if w_gate is not None:
+                h = F.silu(rows @ w_gate[e]) * h  # SwiGLU (Shazeer 2020)
             else:
                 h = F.gelu(h)
-            outs.append(h @ self.w_down[e])  # (n_e, hidden); every expert runs, so all get a grad
+            outs.append(h @ w_down[e])  # (n_e, hidden); every expert runs, so all get a grad
         return torch.cat(outs)
 
     def _group_loads(self, tokens: int, load: torch.Tensor) -> torch.Tensor:
@@ -287,6 +339,44 @@ def reduce_expert_grads(layer: MoELayer, edp_group: ProcessGroup | None, dp_worl
     for p in layer.expert_parameters():
         if p.grad is None:
             continue
+        grad = _local_grad(p.grad)
         if edp_group is not None and dist.get_world_size(edp_group) > 1:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=edp_group)
-        p.grad.div_(dp_world)
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=edp_group)
+        grad.div_(dp_world)
+
+
+# ---- DTensor helpers ---------------------------------------------------------------------------------
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own part of a parameter: a DTensor's local shard (differentiable), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local_grad(g: torch.Tensor) -> torch.Tensor:
+    """The storage of a gradient to reduce in place (a DTensor's local tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return g._local_tensor if isinstance(g, DTensor) else g
+
+
+def _dim0_slice(p: torch.Tensor) -> tuple[int, int]:
+    """(first index, count) along dim 0 of the global tensor that this rank's DTensor shard holds."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)  # type: ignore[attr-defined]
+    return int(offset[0]), int(shape[0])
+
+
+def _copy_rows(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the rows of `full` that `param` holds (all, or its DTensor shard's) into it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        shard = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
+                                  src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full.to(dtype=param.dtype, device=param.device))

@@ -1,7 +1,8 @@
 """Apply a Layout to one model (or one pipeline stage), in one fixed, visible order.
 
-    tensor parallel (+ sequence parallel)  ->  activation recomputation
-        ->  FSDP (ZeRO-2/3)  ->  materialise weights  ->  DDP (ZeRO-0/1)
+    tensor parallel (+ sequence parallel)  ->  context parallel  ->  expert parallel
+        ->  activation recomputation  ->  FSDP (ZeRO-2/3)  ->  materialise weights
+        ->  DDP (ZeRO-0/1; with expert parallel, DDP for the dense weights + expert reduction)
 
 Pipeline parallelism wraps this (training.pipeline calls `parallelize` once per stage).
 Weights are materialised after FSDP has sharded them (so no rank ever holds a full copy of a
@@ -20,7 +21,21 @@ Recomputation modes (Layout.recompute):
 Recomputation is a flag on each block rather than a checkpoint_wrapper, so parameter names
 stay canonical.
 
-Gradient synchronisation over the data-parallel group, by ZeRO stage:
+Context parallel (cp > 1) splits each sequence over the `cp` mesh dimension (ring attention,
+training/context_parallel.py); CP ranks hold the same weights, so every data-parallel reduction
+below runs over dp x cp (the flattened "dp_cp" mesh, torchtitan's dp_shard_cp), and
+ParallelDims.replica_group() is dp x cp.
+
+Expert parallel (ep > 1, MoE models) splits each MoE layer's experts over runs of `ep` dp_cp
+ranks (the "ep" mesh); the expert tensors become DTensors Shard(0) over it, so checkpoints,
+digests and the gradient-norm clip see full tensors. Dense weights (attention, norms, router,
+embeddings) are averaged over dp x cp by DDP as usual; the experts are left out of it and summed
+over the expert-data-parallel group ("edp": same experts), then divided by dp x cp
+(`reduce_expert_grads`), by `ExpertDataParallel`. ZeRO-1 shards the optimizer state over the
+replica group (edp with EP). ZeRO-2/3 (FSDP) with ep > 1 is refused: FSDP would have to shard the
+experts over edp and the dense weights over dp x cp, two FSDP meshes in one block.
+
+Gradient synchronisation over the data-parallel group (dp x cp), by ZeRO stage:
   0  training.parallel.ddp.DDP (dp_impl "lattice") or torch DDP (dp_impl "torch")
   1  the same gradient all-reduce, then training.parallel.zero.ShardedOptimizer(AdamW)
   2  fully_shard(reshard_after_forward=False) per block, then the root
@@ -54,7 +69,9 @@ from torch.distributed.tensor.parallel import (
 
 from training.config import RunConfig
 from training.layout import Layout, LayoutError
+from training.mesh import ParallelDims
 from training.model import Transformer
+from training.moe import reduce_expert_grads
 from training.spec import ModelSpec
 
 # Pipeline schedules that split backward into an input pass and a later weight pass. With them,
@@ -68,16 +85,37 @@ SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualp
 # ---- validation ------------------------------------------------------------------------
 def check_layout_for_model(spec: ModelSpec, layout: Layout) -> None:
     """Raise LayoutError when this layout cannot split this model."""
-    if spec.is_moe:
-        raise LayoutError("model.num_experts > 0 (MoE) is not supported by the train loop; use a dense model")
+    if spec.is_moe and layout.tp > 1:
+        raise LayoutError(
+            f"layout.tp must be 1 for an MoE model (model.num_experts = {spec.num_experts}), got "
+            f"{layout.tp}: experts are split with layout.ep (expert tensor parallel is not implemented)"
+        )
+    if layout.ep > 1:
+        if not spec.is_moe:
+            raise LayoutError(f"layout.ep ({layout.ep}) > 1 needs an MoE model (model.num_experts > 0)")
+        if spec.num_experts % layout.ep:
+            raise LayoutError(f"layout.ep ({layout.ep}) must divide model.num_experts ({spec.num_experts})")
+        if layout.zero_stage >= 2:
+            raise LayoutError(
+                f"layout.zero_stage must be 0 or 1 with layout.ep > 1, got {layout.zero_stage} "
+                "(FSDP of expert-parallel weights is not implemented; ZeRO-1 shards their optimizer state)"
+            )
+    if layout.cp > 1 and spec.seq_len % (2 * layout.cp):
+        raise LayoutError(
+            f"layout.cp ({layout.cp}): 2 x cp ({2 * layout.cp}) must divide model.seq_len ({spec.seq_len}) "
+            "(each CP rank holds two chunks of the sequence, for causal load balance)"
+        )
     tp = layout.tp
     if tp > 1:
         for field, value in (("model.heads", spec.heads), ("model.kv_heads", spec.n_kv_heads),
                              ("model.ffn", spec.ffn_dim), ("model.vocab", spec.vocab)):
             if value % tp:
                 raise LayoutError(f"layout.tp ({tp}) must divide {field} ({value})")
-    if layout.sequence_parallel and spec.seq_len % tp:
-        raise LayoutError(f"layout.tp ({tp}) must divide model.seq_len ({spec.seq_len}) (sequence_parallel)")
+    if layout.sequence_parallel and (spec.seq_len // layout.cp) % tp:
+        what = "model.seq_len" if layout.cp == 1 else "model.seq_len / layout.cp"
+        raise LayoutError(
+            f"layout.tp ({tp}) must divide {what} ({spec.seq_len // layout.cp}) (sequence_parallel)"
+        )
     if layout.pp > 1 and spec.tied_embeddings:
         raise LayoutError("model.tied_embeddings needs pp = 1 (embedding and head are on different stages)")
     if layout.pp > 1 and spec.layers < layout.num_stages:
@@ -155,6 +193,72 @@ def align_grad_placements(model: nn.Module) -> None:
             p.register_hook(to_param_layout)
 
 
+# ---- expert parallel ---------------------------------------------------------------------------
+def apply_expert_parallel(model: Transformer, ep_mesh: DeviceMesh) -> None:
+    """Keep this rank's E/ep experts of every MoE layer, as DTensors Shard(0) over the ep mesh."""
+    for moe in model.moe_layers():
+        moe.shard_experts(ep_mesh)
+
+
+class _DenseView(nn.Module):
+    """The model as the dense data-parallel wrapper sees it: every parameter but the experts."""
+
+    def __init__(self, model: Transformer, excluded: list[nn.Parameter]) -> None:
+        super().__init__()
+        object.__setattr__(self, "model", model)  # not registered: parameters() is filtered below
+        self._excluded = {id(p) for p in excluded}
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return (p for p in self.model.parameters(recurse) if id(p) not in self._excluded)
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        return self.model.buffers(recurse)
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return self.model(*args, **kwargs)
+
+
+class ExpertDataParallel(nn.Module):
+    """Data parallel for a model with expert parallel layers (ZeRO-0/1).
+
+    Dense weights: training.parallel.ddp.DDP over dp x cp (overlapped, bucketed). Expert shards:
+    after the last backward of the step, `reduce_expert_grads` sums them over the expert-DP group
+    and divides by dp x cp, which is the gradient of the loss averaged over every rank (each
+    shard already received the gradients of all the tokens its EP group routed to it).
+    Same interface as DDP: `.module`, `no_sync()`, `finish_gradient_synchronization()`.
+    """
+
+    def __init__(self, model: Transformer, dense_group: dist.ProcessGroup, edp_group: dist.ProcessGroup,
+                 dp_world: int) -> None:
+        super().__init__()
+        from training.parallel.ddp import DDP
+
+        self.module = model
+        self.edp_group, self.dp_world = edp_group, dp_world
+        experts = [p for moe in model.moe_layers() for p in moe.expert_parameters()]
+        dense = None
+        if dist.get_world_size(dense_group) > 1:
+            dense = DDP(_DenseView(model, experts), process_group=dense_group)
+        object.__setattr__(self, "dense", dense)  # not a submodule: parameters are the model's
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        if self.dense is None:
+            yield
+        else:
+            with self.dense.no_sync():
+                yield
+
+    def finish_gradient_synchronization(self) -> None:
+        if self.dense is not None:
+            self.dense.finish_gradient_synchronization()
+        for moe in self.module.moe_layers():
+            reduce_expert_grads(moe, self.edp_group, self.dp_world)
+
+
 # ---- activation recomputation ------------------------------------------------------------
 def apply_recompute(model: Transformer, mode: str) -> None:
     for block in model.layers.values():
@@ -193,9 +297,9 @@ def materialize(model: Transformer, seed: int, device: torch.device) -> None:
 def apply_data_parallel(model: nn.Module, layout: Layout, dp_group: dist.ProcessGroup,
                         dp_impl: str) -> nn.Module:
     if dp_impl == "torch":
-        if layout.tp > 1 or layout.pp > 1:
+        if layout.tp > 1 or layout.pp > 1 or layout.ep > 1:
             raise LayoutError(
-                "train.dp_impl 'torch' (torch DDP) needs tp = 1 and pp = 1; "
+                "train.dp_impl 'torch' (torch DDP) needs tp = 1, pp = 1 and ep = 1; "
                 "use dp_impl 'lattice' or zero_stage 2/3"
             )
         return torch.nn.parallel.DistributedDataParallel(model, process_group=dp_group)
@@ -204,23 +308,40 @@ def apply_data_parallel(model: nn.Module, layout: Layout, dp_group: dist.Process
     return DDP(model, process_group=dp_group)
 
 
-def parallelize(model: Transformer, layout: Layout, mesh: DeviceMesh, run_cfg: RunConfig,
+def parallelize(model: Transformer, layout: Layout, mesh: DeviceMesh | ParallelDims, run_cfg: RunConfig,
                 device: torch.device | None = None) -> nn.Module:
-    """TP -> recompute -> FSDP -> materialise -> DDP. Returns the module to run forward on."""
+    """TP -> CP -> EP -> recompute -> FSDP -> materialise -> DDP. Returns the module to run forward on.
+
+    `mesh` is the 4-D (pp, dp, cp, tp) mesh or its ParallelDims (collective when the layout has
+    cp > 1 or ep > 1 and the derived meshes do not exist yet: every rank must call it).
+    """
     check_layout_for_model(model.spec, layout)
-    device = device or torch.device(mesh.device_type)
+    dims = mesh if isinstance(mesh, ParallelDims) else ParallelDims.from_mesh(layout, mesh)
+    root = dims.mesh
+    device = device or torch.device(root.device_type)
     if layout.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], layout.sequence_parallel)
+        apply_tensor_parallel(model, root["tp"], layout.sequence_parallel)
+    if layout.cp > 1:
+        model.set_context_parallel(dims.group("cp"))
+    if layout.ep > 1:
+        apply_expert_parallel(model, dims.submesh("ep"))
+    # The train loop divides each micro-batch's loss by their number; a pipeline schedule
+    # (scale_grads) divides the gradients itself. The aux loss's gradient must match either way.
+    coef = model.spec.aux_loss_coef
+    model.set_aux_loss_scale(coef / layout.num_microbatches if layout.pp == 1 else coef)
     apply_recompute(model, layout.recompute)
-    if layout.zero_stage >= 2 and layout.dp > 1:
+    replicas = layout.dp * layout.cp  # ranks holding the same dense weights
+    if layout.zero_stage >= 2 and replicas > 1:
         reshard = layout.zero_stage == 3 and layout.schedule not in SPLIT_BACKWARD_SCHEDULES
-        apply_fsdp(model, mesh["dp"], reshard_after_forward=reshard, device_type=device.type)
+        apply_fsdp(model, dims.submesh("dp_cp"), reshard_after_forward=reshard, device_type=device.type)
     materialize(model, run_cfg.seed, device)
     if layout.tp > 1 and not isinstance(model, FSDPModule):
         # After materialising: to_empty() replaces meta parameters, dropping their hooks.
         align_grad_placements(model)
-    if layout.zero_stage < 2 and layout.dp > 1:
-        return apply_data_parallel(model, layout, mesh["dp"].get_group(), run_cfg.dp_impl)
+    if layout.ep > 1:
+        return ExpertDataParallel(model, dims.group("dp_cp"), dims.group("edp"), replicas)
+    if layout.zero_stage < 2 and replicas > 1:
+        return apply_data_parallel(model, layout, dims.group("dp_cp"), run_cfg.dp_impl)
     return model
 
 
@@ -265,7 +386,9 @@ def no_grad_sync(modules: list[nn.Module]) -> Iterator[None]:
 # ---- optimiser ----------------------------------------------------------------------------------
 def build_optimizer(model_parts: list[nn.Module], layout: Layout, run_cfg: RunConfig,
                     dp_group: dist.ProcessGroup | None) -> torch.optim.Optimizer:
-    """AdamW over every trainable parameter of this rank's parts; ZeRO-1 shards its state over dp."""
+    """AdamW over every trainable parameter of this rank's parts; ZeRO-1 shards its state over
+    `dp_group`, which must hold ranks with identical parameters: ParallelDims.replica_group()
+    (dp x cp, or the expert-data-parallel group with expert parallel)."""
     seen: set[int] = set()
     params = []
     for part in model_parts:
@@ -275,7 +398,7 @@ def build_optimizer(model_parts: list[nn.Module], layout: Layout, run_cfg: RunCo
                 params.append(p)
     o = run_cfg.optim
     kwargs = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    if layout.zero_stage == 1 and layout.dp > 1:
+    if layout.zero_stage == 1 and dp_group is not None and dist.get_world_size(dp_group) > 1:
         from training.parallel.zero import ShardedOptimizer
 
         return ShardedOptimizer(params, torch.optim.AdamW, process_group=dp_group, **kwargs)

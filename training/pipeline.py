@@ -14,6 +14,7 @@ parameter names, parallelised by `training.parallelize.parallelize` (TP, recompu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ from torch.distributed.pipelining.schedules import (
 from training.config import RunConfig
 from training.layout import Layout, LayoutError
 from training.mesh import ParallelDims
-from training.model import Transformer, cross_entropy_loss, prune_to_stage
+from training.model import Transformer, prune_to_stage, sharded_cross_entropy
 from training.parallelize import parallelize
 from training.spec import ModelSpec
 
@@ -99,8 +100,14 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def build_pipeline(spec: ModelSpec, cfg: RunConfig, dims: ParallelDims, device: torch.device,
-                   loss_fn: LossFn = cross_entropy_loss) -> Pipeline:
-    """Build this rank's stages on meta, parallelise each, and the schedule that drives them."""
+                   loss_fn: LossFn | None = None) -> Pipeline:
+    """Build this rank's stages on meta, parallelise each, and the schedule that drives them.
+
+    The default loss is the cross-entropy of this CP rank's tokens (the targets the schedule
+    hands the last stage are full sequences; with CP they are sharded like the inputs).
+    """
+    if loss_fn is None:
+        loss_fn = functools.partial(sharded_cross_entropy, cp_rank=dims.cp_rank, cp_size=dims.layout.cp)
     layout = dims.layout
     if layout.schedule not in SCHEDULE_CLASSES:
         raise LayoutError(f"layout.schedule must be one of {', '.join(SCHEDULE_CLASSES)} when pp > 1")
@@ -118,7 +125,7 @@ def build_pipeline(spec: ModelSpec, cfg: RunConfig, dims: ParallelDims, device: 
         with torch.device("meta"):
             part = Transformer(spec)
         prune_to_stage(part, splits[sid], first=sid == 0, last=sid == n_stages - 1)
-        module = parallelize(part, layout, dims.mesh, cfg, device=device)
+        module = parallelize(part, layout, dims, cfg, device=device)
         modules.append(module)
         stages.append(PipelineStage(module, sid, n_stages, device, group=pp_group))
     cls = SCHEDULE_CLASSES[layout.schedule]

@@ -29,7 +29,13 @@ class ModelSpec:
     num_experts: int = 0
     top_k: int = 2
     expert_ffn: int | None = None
-    capacity_factor: float = 1.25
+    # Assignments an expert accepts per step, as a multiple of its fair share; None never drops
+    # (Switch Transformer eq. 3; training/moe.py).
+    capacity_factor: float | None = 1.25
+    # Weight of the load-balancing loss in the training loss (Switch Transformer section 2.2: 0.01).
+    aux_loss_coef: float = 0.01
+    # Every moe_layer_freq-th block is MoE (blocks k-1, 2k-1, ...; GShard uses 2), the others dense.
+    moe_layer_freq: int = 1
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -52,7 +58,18 @@ class ModelSpec:
         if self.num_experts < 0:
             raise SpecError(f"model.num_experts must be >= 0, got {self.num_experts}")
         if self.num_experts and not 1 <= self.top_k <= self.num_experts:
-            raise SpecError(f"model.top_k ({self.top_k}) must be between 1 and num_experts ({self.num_experts})")
+            raise SpecError(
+                f"model.top_k ({self.top_k}) must be between 1 and num_experts ({self.num_experts})"
+            )
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise SpecError(
+                f"model.capacity_factor must be > 0 or null (no dropping), got {self.capacity_factor}"
+            )
+        if not self.aux_loss_coef >= 0:
+            raise SpecError(f"model.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+        freq = self.moe_layer_freq
+        if not isinstance(freq, int) or isinstance(freq, bool) or freq < 1:
+            raise SpecError(f"model.moe_layer_freq must be an integer >= 1, got {self.moe_layer_freq!r}")
         if self.head_dim % 2 != 0:
             raise SpecError(f"model.hidden / model.heads ({self.head_dim}) must be even for RoPE")
 
@@ -81,6 +98,14 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) has an MoE feed-forward (every moe_layer_freq-th block)."""
+        return self.is_moe and layer % self.moe_layer_freq == self.moe_layer_freq - 1
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.layers))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -89,5 +114,7 @@ class ModelSpec:
         known = set(cls.__dataclass_fields__)
         unknown = set(data) - known
         if unknown:
-            raise SpecError(f"unknown model field(s): {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(known))}")
+            raise SpecError(
+                f"unknown model field(s): {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(known))}"
+            )
         return cls(**data)

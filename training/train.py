@@ -56,7 +56,7 @@ from training.integrity import (
     vote_fingerprints,
 )
 from training.mesh import ParallelDims
-from training.model import Transformer, cross_entropy_loss
+from training.model import Transformer
 from training.model import flops_per_token as model_flops_per_token
 from training.parallelize import (
     build_optimizer,
@@ -162,7 +162,8 @@ class Trainer:
         check_layout_for_model(cfg.model, layout)
         torch.manual_seed(cfg.seed)
         self.dims = ParallelDims.build(layout, ctx.device.type)
-        self.dp_group = self.dims.group("dp")
+        # Ranks with identical parameters (dp x cp; expert-DP with EP): ZeRO-1 and fingerprints.
+        self.dp_group = self.dims.replica_group()
         self.pipeline: Pipeline | None = None
         if layout.pp > 1:
             self.pipeline = build_pipeline(cfg.model, cfg, self.dims, ctx.device)
@@ -239,7 +240,8 @@ class Trainer:
         total = torch.zeros((), device=self.ctx.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
             with microbatch_context(module, is_last=i == n - 1):
-                loss = cross_entropy_loss(module(x), y) / n  # mean over the slice's tokens
+                # Mean over this rank's tokens (with CP: its shard of the sequence).
+                loss = self.parts[0].loss(module(x), y) / n
                 loss.backward()
             total += loss.detach()
         if before_sync is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,15 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "lattice"
 MiB = 1024 * 1024
+# A dead node is declared after ~period x threshold instead of Ray's ~30 s default, so that a node
+# death (issue 6's kill_node) is detected in seconds; the generous timeout keeps a busy 2-core
+# machine from failing a live node's health check.
+HEALTH_CHECK_CONFIG = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 3000,
+    "health_check_failure_threshold": 4,
+}
 
 
 class ClusterError(RuntimeError):
@@ -61,6 +71,7 @@ class EmbeddedCluster:
     address: str
     _cluster: Any = field(repr=False)
     _nodes: dict[str, Any] = field(default_factory=dict, repr=False)  # node name -> ray Node
+    _killer: Any = field(default=None, repr=False)
 
     def node_ids(self) -> dict[str, str]:
         """Node name -> Ray node id of the live simulated nodes."""
@@ -78,7 +89,27 @@ class EmbeddedCluster:
         node = self._nodes.pop(name, None)
         if node is None:
             raise ClusterError(f"no simulated node named {name!r}; have {', '.join(sorted(self._nodes))}")
+        # A machine that loses power takes its worker processes with it; Ray's workers would
+        # otherwise outlive their raylet for a while. Kill them first, then the node's daemons.
+        roots = [p.process.pid for procs in node.all_processes.values() for p in procs if p.process]
+        for pid in _descendants(roots):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
         self._cluster.remove_node(node, allow_graceful=False)
+
+    def node_names(self) -> list[str]:
+        return sorted(self._nodes)
+
+    def serve_node_kills(self) -> Any:
+        """Let job controllers remove nodes of this cluster (kill_node faults) through the
+        `lattice-node-killer` mailbox, served by a thread of this process (workers.node_killer)."""
+        from workers.node_killer import NodeKillService
+
+        if self._killer is None:
+            self._killer = NodeKillService(self)
+        return self._killer
 
     def add_node(self, name: str, rack: str, gpus: int | None = None, wait: bool = True) -> None:
         """Add (or bring back) a simulated node with the given labels."""
@@ -89,10 +120,38 @@ class EmbeddedCluster:
     def shutdown(self) -> None:
         import ray
 
+        if self._killer is not None:
+            self._killer.stop()
+            self._killer = None
         if ray.is_initialized():
             ray.shutdown()
         self._cluster.shutdown()
         self._nodes.clear()
+
+
+def _descendants(roots: list[int]) -> list[int]:
+    """Every descendant process of `roots` (Linux /proc; [] elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # field 4; the name in (...) may hold spaces
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def _node_args(cfg: EmbeddedClusterConfig, rack: str, name: str, gpus: int | None = None) -> dict[str, Any]:
@@ -140,6 +199,7 @@ def start_embedded_cluster(
         "include_dashboard": False,
         "temp_dir": root,
         "labels": {"lattice.role": "head"},
+        "_system_config": dict(HEALTH_CHECK_CONFIG),
     }
     if metrics_export_port is not None:
         head_args["metrics_export_port"] = metrics_export_port

@@ -6,6 +6,11 @@
 `inject_fault` are served concurrently (max_concurrency). After a service restart the service
 finds it again with `get_controller(job_id)`. Rank actors and the placement group are owned by
 the controller, so they end with it.
+
+Issue 6 seams: `report` receives events a rank sends just before it dies (kill_rank), a
+kill_node fault goes to the cluster owner through workers.node_killer (without one, the
+controller kills the job's ranks on that node and marks it dead), and committed checkpoints are
+checked against their manifests (`LocalCheckpointOps`, on a filesystem the controller sees).
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class JobController:
         self._sm = ControllerStateMachine(
             job_id, run_cfg, group, options=opts, failure_policy=failure_policy,
             scaling_policy=scaling_policy, health=health, cordoned=cordoned,
+            node_killer=kill_node, checkpoint_ops=LocalCheckpointOps(),
         )
         self._thread = threading.Thread(target=self._loop, name=f"lattice-controller-{job_id}", daemon=True)
         self._thread.start()
@@ -117,12 +123,42 @@ class JobController:
     def update_nodes(self, health: Mapping[str, str], cordoned: Collection[str]) -> None:
         self._sm.update_nodes(health, cordoned)
 
-    def inject_fault(self, kind: str, rank: int, at_step: int, **params: Any) -> None:
-        self._sm.wg.inject_fault(kind, rank, at_step, **params)
+    def inject_fault(self, kind: str, rank: int | None = None, at_step: int = 0, **params: Any) -> None:
+        """Add a fault (workers.faults spec) to the running job; raises FaultError for a bad spec."""
+        spec = {"kind": kind, "at_step": at_step, **params}
+        if rank is not None:
+            spec["rank"] = rank
+        self._sm.inject(spec)
+
+    def report(self, rank: int, event: dict[str, Any]) -> None:
+        """A rank's event delivered directly (it is about to die and its buffer with it)."""
+        self._sm.report(rank, event)
 
     def close(self) -> None:
         """The service has collected the final state; let the actor go."""
         self._closed.set()
+
+
+class LocalCheckpointOps:
+    """Verify / damage checkpoints on a filesystem this process sees (issue 6)."""
+
+    def verify(self, path: str) -> None:
+        from training.checkpoint import verify_checkpoint
+
+        verify_checkpoint(path)
+
+    def corrupt(self, path: str, which: str = "any", mode: str = "flip") -> str:
+        from training.checkpoint import corrupt_checkpoint
+
+        return corrupt_checkpoint(path, which, mode)
+
+
+def kill_node(name: str) -> None:
+    """Remove a node through the cluster owner's mailbox (workers.node_killer)."""
+    from workers.node_killer import request_node_kill
+
+    if not request_node_kill(name):
+        raise RuntimeError("no cluster owner serves node kills")
 
 
 def _head_node_id() -> str | None:

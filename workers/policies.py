@@ -32,6 +32,7 @@ class FailureKind(enum.StrEnum):
     STARTUP = "startup"  # actors could not be created or the rendezvous failed
     SDC = "sdc"  # silent data corruption (fingerprint mismatch, NaN/Inf, loss spike): issue 6
     CHECKPOINT = "checkpoint"  # a damaged / unverifiable checkpoint: issue 6
+    STRAGGLER = "straggler"  # a rank that keeps the others waiting at every step: issue 6
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,12 @@ class FailurePolicy(ABC):
 class RestartPolicy(FailurePolicy):
     """Restart from the last checkpoint until `max_restarts` is spent. The nodes of the
     ranks at fault become suspect (placed last); with `avoid_failed_nodes` the restart is
-    also kept off them when capacity allows."""
+    also kept off them when capacity allows. A confirmed SDC (the engine named the culprit
+    ranks, not every rank) quarantines their nodes (`quarantine_on_sdc`)."""
 
     max_restarts: int = 3
     avoid_failed_nodes: bool = False
+    quarantine_on_sdc: bool = True
 
     def decide(self, failure: Failure, restarts: int) -> FailureDecision:
         if restarts >= self.max_restarts:
@@ -87,12 +90,25 @@ class RestartPolicy(FailurePolicy):
                 f"last failure: {failure.kind}: {failure.message}",
             )
         culprits = failure.nodes if failure.kind != FailureKind.STARTUP else ()
+        confirmed = failure.kind == FailureKind.SDC and bool(failure.ranks) and _names_a_culprit(failure)
+        quarantine = culprits if confirmed and self.quarantine_on_sdc else ()
         return FailureDecision(
             FailureAction.RETRY,
             f"restart {restarts + 1} of {self.max_restarts} after {failure.kind}",
-            exclude_nodes=failure.nodes if self.avoid_failed_nodes else (),
-            suspect_nodes=culprits,
+            exclude_nodes=failure.nodes if self.avoid_failed_nodes or quarantine else (),
+            suspect_nodes=tuple(n for n in culprits if n not in quarantine),
+            quarantine_nodes=quarantine,
         )
+
+
+def _names_a_culprit(failure: Failure) -> bool:
+    """An SDC whose evidence singles out ranks: a majority vote, a re-run, or a rank-local check
+    (every rank named means the check could not tell, e.g. a loss spike seen by all)."""
+    ev = failure.evidence.get("evidence") or {}
+    if ev.get("attribution") or ev.get("where") or ev.get("ambiguous") is False:
+        return True
+    world = failure.evidence.get("world_size")
+    return world is not None and len(failure.ranks) < int(world)
 
 
 class ScalingAction(enum.StrEnum):
@@ -138,6 +154,42 @@ class HoldLayoutPolicy(ScalingPolicy):
 Replanner = Callable[[Topology, Layout], "Layout | None"]
 
 
+def keep_global_batch(old: Layout, new: Layout) -> Layout:
+    """`new` with gradient accumulation set so that its global batch is `old`'s, when it can be
+    (the training mathematics then stay the same); otherwise `new` unchanged (the replanned event
+    says that the global batch changed)."""
+    import dataclasses
+
+    if new.global_batch == old.global_batch:
+        return new
+    per_step = new.dp * new.micro_batch_size
+    if old.global_batch % per_step == 0:
+        try:
+            return dataclasses.replace(new, num_microbatches=old.global_batch // per_step)
+        except ValueError:
+            return new
+    return new
+
+
+def keep_global_batch_replanner(topology: Topology, layout: Layout) -> Layout | None:
+    """The fallback planner: the largest DP degree (a divisor of the current one) whose ranks fit
+    the schedulable GPUs, with gradient accumulation raised so that the global batch (dp x
+    micro_batch_size x num_microbatches) and so the training mathematics stay the same."""
+    import dataclasses
+
+    free = topology.gpus_schedulable
+    per_replica = layout.world_size // layout.dp
+    for dp in range(layout.dp - 1, 0, -1):
+        if layout.dp % dp or dp * per_replica > free:
+            continue
+        try:
+            accumulate = layout.num_microbatches * (layout.dp // dp)
+            return dataclasses.replace(layout, dp=dp, num_microbatches=accumulate)
+        except ValueError:
+            continue
+    return None
+
+
 @dataclass
 class ReplanPolicy(ScalingPolicy):
     """Issue 6's 'replan when capacity is short': ask `replanner(topology, layout)` (the
@@ -155,6 +207,7 @@ class ReplanPolicy(ScalingPolicy):
         if waited_s >= self.wait_before_replan_s:
             new = self.replanner(topology, layout)
             if new is not None and new != layout:
+                new = keep_global_batch(layout, new)
                 return ScalingDecision(
                     ScalingAction.REPLAN, f"replanned for the live cluster: {reason}", layout=new
                 )

@@ -7,8 +7,14 @@ controller can `poll()` it while it trains. Hooks (`make_hooks`) push events (st
 errors, the result) into an in-actor buffer; `poll()` drains it and reports a heartbeat: seconds since the
 training thread last made progress, measured on the actor's own monotonic clock.
 
-Fault injection for issue 6 (`schedule_fault`): kill_rank, hang_rank and slow_rank act from
-the step hook; bit flips go through the engine's injector (`RankActor.injector`).
+Fault injection for issue 6 (`schedule_fault`, specs in workers.faults): kill_rank, hang_rank
+and slow_rank act from the step hook (or, with phase "checkpoint", when a save begins); bit flips
+go through the engine's injector (`RankActor.injector`). Before a kill the actor tells its job's
+controller (`JobController.report`), since its own event buffer dies with it.
+
+The actor outlives a failed attempt: `reset()` waits for its training thread to end and
+`start()` may then run again with a new rendezvous (the controller's fast path keeps healthy
+ranks' processes and replaces only the dead ones).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TRAIN_FN = "training.train:train"
 MAX_BUFFERED_EVENTS = 10_000
-RANK_FAULT_KINDS = ("kill_rank", "hang_rank", "slow_rank")
+RANK_FAULT_KINDS = ("kill_rank", "hang_rank", "slow_rank", "bitflip")
 ACTIONS = ("checkpoint", "stop", "checkpoint_and_stop")
 
 
@@ -72,9 +78,22 @@ def make_hooks(actor: RankActor) -> Any:
     class RankHooks(TrainHooks):
         def on_step(self, info: Any) -> Any:
             actor._record("step", _plain(info))
-            actor._after_step(info.step)
+            actor._report_flips(info.step)
+            actor._after_step(info.step, "step")
             wanted = actor._take_action()
             return Action(wanted) if wanted else None
+
+        def on_restore(self, step: int | None) -> None:
+            actor._record("restored", {"step": step})
+
+        def on_collective(self, step: int, name: str) -> None:
+            actor._record("collective", {"step": step, "name": name})
+
+        def on_checkpoint_start(self, step: int) -> None:
+            actor._after_step(step, "checkpoint")
+
+        def on_verified(self, step: int) -> None:
+            actor._record("verified", {"step": step})
 
         def on_checkpoint(self, step: int, path: str, nbytes: int, seconds: float) -> None:
             actor._record("checkpoint", {"step": step, "path": path, "bytes": nbytes, "seconds": seconds})
@@ -89,6 +108,7 @@ def make_hooks(actor: RankActor) -> Any:
 
     hooks = RankHooks()
     hooks.injector = actor.injector
+    hooks.restore_steps = actor._restore_steps
     return hooks
 
 
@@ -116,6 +136,9 @@ class RankActor:
         self._action: str | None = None
         # Issue 6: a training.integrity.BitFlipInjector for this rank, handed to the engine.
         self.injector: Any = None
+        self._flips_reported = 0
+        self._restore_steps: set[int] | None = None
+        self._attempts = 0
 
     # ---- where am I -------------------------------------------------------------------------
     def where(self) -> dict[str, Any]:
@@ -160,11 +183,21 @@ class RankActor:
         train_fn: str = DEFAULT_TRAIN_FN,
         flops_per_token: float | None = None,
         rendezvous_timeout_s: float = 120.0,
+        restore_steps: list[int] | None = None,
     ) -> None:
-        if self._thread is not None:
-            raise RuntimeError(f"rank {self.rank} was already started")
-        self._state = "running"
-        self._last_progress = time.monotonic()
+        """Train in a background thread. `restore_steps`: the checkpoints it may resume from
+        (the verified ones; None = any valid one). May run again after `reset()`."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError(f"rank {self.rank} is still training")
+        self._restore_steps = None if restore_steps is None else set(restore_steps)
+        self._attempts += 1
+        with self._lock:
+            self._state = "running"
+            self._result = None
+            self._error = None
+            self._stepped = False
+            self._step = None
+            self._last_progress = time.monotonic()
         self._thread = threading.Thread(
             target=self._run,
             args=(master_addr, master_port, run_cfg, resume, train_fn, flops_per_token, rendezvous_timeout_s),
@@ -232,23 +265,51 @@ class RankActor:
                 self._events.pop(0)
                 self._dropped += 1
 
-    def _after_step(self, step: Any) -> None:
-        """Run the faults due at this step (issue 6 injection)."""
-        if self._slow_s > 0:
+    def _after_step(self, step: Any, phase: str = "step") -> None:
+        """Run the faults due at this step (issue 6 injection): after the step's hook (phase
+        "step") or when a checkpoint save begins (phase "checkpoint")."""
+        if self._slow_s > 0 and phase == "step":
             time.sleep(self._slow_s)
         if not isinstance(step, int):
             return
-        due = [f for f in self._faults if f["at_step"] <= step]
+        due = [f for f in self._faults if f["at_step"] <= step and f.get("phase", "step") == phase
+               and f["kind"] != "bitflip"]
         for fault in due:
             self._faults.remove(fault)
-            self._record("fault_injected", {"fault": fault["kind"], "step": step})
+            info = {"fault": fault["kind"], "step": step, "phase": phase, "t_fault": time.time()}
             if fault["kind"] == "kill_rank":
+                self._record("fault_injected", info)
+                self._tell_controller("fault_injected", info)
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault["kind"] == "hang_rank":
+                self._record("fault_injected", info)
                 while not self._stop.is_set():
                     time.sleep(0.05)
             elif fault["kind"] == "slow_rank":
                 self._slow_s = float(fault.get("seconds", 1.0))
+                self._record("fault_injected", {**info, "seconds": self._slow_s})
+
+    def _report_flips(self, step: Any) -> None:
+        """Bit flips the engine applied since the last step (they fire inside the step)."""
+        applied = list(getattr(self.injector, "applied", []) or [])
+        for flip in applied[self._flips_reported:]:
+            self._record("fault_injected", {"fault": "bitflip", "step": flip.step, "phase": "step",
+                                            "t_fault": time.time(), "target": flip.target,
+                                            "name": flip.name, "index": flip.index, "bit": flip.bit})
+        self._flips_reported = len(applied)
+
+    def _tell_controller(self, kind: str, data: dict[str, Any]) -> None:
+        """Deliver an event that must outlive this process (best effort, bounded wait)."""
+        try:
+            import ray
+
+            from workers.controller import NAMESPACE, controller_name
+
+            handle = ray.get_actor(controller_name(self.job_id), namespace=NAMESPACE)
+            event = {"kind": kind, "rank": self.rank, "t": time.time(), **data}
+            ray.get(handle.report.remote(self.rank, event), timeout=5.0)
+        except Exception as e:  # noqa: BLE001 - no controller (a bare group in a test), or it is gone
+            log.debug("rank %d: could not report %s to the controller: %s", self.rank, kind, e)
 
     def request_action(self, action: str) -> None:
         """Ask the engine, at the next step boundary, to 'checkpoint', 'stop' or
@@ -266,7 +327,38 @@ class RankActor:
     def schedule_fault(self, kind: str, at_step: int, **params: Any) -> None:
         if kind not in RANK_FAULT_KINDS:
             raise ValueError(f"fault kind must be one of {', '.join(RANK_FAULT_KINDS)}, got {kind!r}")
-        self._faults.append({"kind": kind, "at_step": int(at_step), **params})
+        fault = {"kind": kind, "at_step": int(at_step), **params}
+        if kind == "bitflip":
+            from training.integrity import BitFlip, BitFlipInjector
+
+            flip = BitFlip(step=max(int(at_step), 1), rank=self.rank, target=params.get("target", "param"),
+                           name=params.get("name", "layers.0.attention.wq.weight"),
+                           index=int(params.get("index", 0)), bit=int(params.get("bit", 30)))
+            if self.injector is None:
+                self.injector = BitFlipInjector([], self.rank)
+            self.injector.flips.append(flip)
+        self._faults.append(fault)
+
+    def reset(self, timeout_s: float = 10.0) -> bool:
+        """Wait for the training thread of the last attempt to end (it fails once a peer is gone)
+        and clear its state, so that `start()` can run again. False if it is still running."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                return False
+        try:  # a save that was in flight when the attempt failed must not block the next one
+            import training.checkpoint as ckpt
+
+            ckpt._pending = None  # noqa: SLF001 - its process group is gone with the attempt
+        except ImportError:
+            pass
+        with self._lock:
+            self._state = "idle"
+            self._events = [e for e in self._events if e["kind"] == "fault_injected"]
+        self._thread = None
+        self._stop.clear()
+        return True
 
     # ---- what the controller reads ------------------------------------------------------------
     def poll(self) -> dict[str, Any]:

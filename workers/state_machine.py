@@ -13,6 +13,16 @@ group. Everything the service needs is in `snapshot(since_seq)`: the state, the 
 log after `since_seq`, progress (step, loss, tokens/s, MFU), the placement read back from the
 rank actors, the result (with `model_digest`) and the reason of a terminal or waiting state.
 
+Issue 6 (fault tolerance) lives here too: faults are injected (rank faults armed on the ranks,
+kill_node and corrupt_checkpoint carried out by the controller), detected (dead ranks and nodes,
+hangs by heartbeat with the culprit found by who never entered the step's collective, stragglers,
+SDC from the engine's checks, damaged checkpoints by manifest scrubbing), attributed (rank, node,
+evidence), recorded in the node ledger (suspect, quarantined, dead), and recovered from: the fast
+path replaces only the dead ranks, otherwise everything is re-placed on healthy nodes; either way
+the ranks restore the last *verified* checkpoint. The event log tells the story in order:
+fault_injected, failure (detection), attributed, node_suspect / node_quarantined / node_dead,
+restart, restore, resumed (workers.fault_ledger keeps the books).
+
 `workers.controller.JobController` is the detached Ray actor that runs this loop.
 """
 
@@ -29,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from training.config import RunConfig
+from workers.fault_ledger import CheckpointLedger, DataLedger, FaultClock, NodeLedger, StragglerWatch
+from workers.faults import CONTROLLER_FAULTS, normalize_faults
 from workers.placement import PlacementError, place
 from workers.policies import (
     Failure,
@@ -101,10 +113,17 @@ class ControllerOptions:
     first_seq: int = 0  # a replacement controller continues its predecessor's event numbering
     max_events: int = 10_000
     linger_s: float | None = 3600.0  # a terminal controller actor exits after this (None: never)
-    # Rank faults to inject (issue 6): {"kind": "kill_rank"|"hang_rank"|"slow_rank", "rank", "at_step"};
-    # each fires once over the job's life, re-armed after a restart until it has fired.
+    # Faults to inject (issue 6, specs in workers.faults); each fires once over the job's life,
+    # re-armed after a restart until it has fired.
     faults: tuple[Mapping[str, Any], ...] = ()
     env_vars: Mapping[str, str] = field(default_factory=dict)
+    fast_path: bool = True  # replace only dead/hung ranks, keeping the others' processes
+    quarantine_after: int = 3  # faults on one node before it is quarantined
+    straggler_lag_s: float = 1.0  # last arrival at the step's collective this much behind the first...
+    straggler_factor: float = 2.0  # ...and this many median step times...
+    straggler_steps: int = 3  # ...this many steps in a row: a straggler
+    straggler_action: str = "restart"  # "restart" (off its node) or "report"
+    failure_grace_s: float = 5.0  # ranks failed while others are unresponsive: wait this long to blame
 
 
 class ControllerStateMachine:
@@ -121,7 +140,11 @@ class ControllerStateMachine:
         cordoned: Collection[str] = (),
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        node_killer: Callable[[str], None] | None = None,
+        checkpoint_ops: Any = None,
     ) -> None:
+        """`node_killer(name)` removes a node (kill_node faults); `checkpoint_ops` has
+        `verify(path)` (raises on a damaged checkpoint) and `corrupt(path, which, mode)`."""
         self.job_id = job_id
         self.run_cfg = run_cfg
         self.wg = worker_group
@@ -145,8 +168,26 @@ class ControllerStateMachine:
         self._cancel_reason: str | None = None
         self._health: dict[str, str] = dict(health or {})
         self._cordoned: set[str] = set(cordoned)
-        self._suspect: set[str] = set()
-        self._quarantined: set[str] = set()
+        self.nodes = NodeLedger(quarantine_after=self.options.quarantine_after)
+        self.ckpts = CheckpointLedger(run_cfg.checkpoint.dir)
+        self.ckpts.load()
+        self.data = DataLedger()
+        self.clock = FaultClock()
+        self.straggler = StragglerWatch(self.options.straggler_lag_s, self.options.straggler_factor,
+                                        self.options.straggler_steps)
+        self._node_killer = node_killer
+        self._ckpt_ops = checkpoint_ops
+        self._inbox: list[tuple[int, dict[str, Any]]] = []
+        self._markers: dict[int, tuple[int, int]] = {}  # rank -> (step, 0 stepped | 1 in the collective)
+        self._failed_since: float | None = None
+        self._failure: Failure | None = None
+        self._fast_ranks: list[int] = []
+        self._restored_seen = False
+        self._started_wall = wall_clock()
+        self._straggler: dict[str, Any] | None = None
+        self._fired: set[tuple[Any, int, Any]] = set()
+        self._reached: int | None = None
+        self._dead_nodes: set[str] = set()
         self._exclude: set[str] = set()
         self._resume = self.options.resume
         self._placing_since: float | None = None
@@ -159,7 +200,9 @@ class ControllerStateMachine:
         self._ckpt_open: int | None = None  # step whose save is under way
         self._attempt_step = 0
         self._integrity: dict[str, Any] | None = None  # the engine's integrity error in this attempt
-        self._pending_faults: list[dict[str, Any]] = [dict(f) for f in self.options.faults]
+        faults = normalize_faults(list(self.options.faults))
+        self._pending_faults = [f for f in faults if f["kind"] not in CONTROLLER_FAULTS]
+        self._controller_faults = [f for f in faults if f["kind"] in CONTROLLER_FAULTS]
 
     # ---- the loop body ---------------------------------------------------------------------------
     def step(self) -> Transition | None:
@@ -214,12 +257,29 @@ class ControllerStateMachine:
 
     def _health_view(self) -> dict[str, str]:
         view = dict(self._health)
-        for n in self._suspect:
-            if view.get(n, "ready") == "ready":
-                view[n] = "suspect"
-        for n in self._quarantined:
-            view[n] = "quarantined"
+        for n, h in self.nodes.health.items():
+            if h == "suspect" and view.get(n, "ready") != "ready":
+                continue
+            view[n] = h
         return view
+
+    def report(self, rank: int, event: Mapping[str, Any]) -> None:
+        """An event a rank sent directly (e.g. just before it kills itself); read with the next poll."""
+        with self._lock:
+            self._inbox.append((rank, dict(event)))
+
+    def inject(self, fault: Mapping[str, Any]) -> None:
+        """Add a fault while the job runs (POST /v1/jobs/{id}/faults)."""
+        (f,) = normalize_faults([dict(fault)])
+        with self._lock:
+            if f["kind"] in CONTROLLER_FAULTS:
+                self._controller_faults.append(f)
+            else:
+                self._pending_faults.append(f)
+        if f["kind"] not in CONTROLLER_FAULTS and self.state in (ControllerState.RUNNING,
+                                                                  ControllerState.CHECKPOINTING):
+            params = {k: v for k, v in f.items() if k not in ("kind", "rank", "at_step")}
+            self.wg.inject_fault(f["kind"], f["rank"], f["at_step"], **params)
 
     def _on_placing(self) -> Transition:
         if self._placing_since is None:
@@ -255,8 +315,11 @@ class ControllerStateMachine:
         if decision.action == ScalingAction.REPLAN and decision.layout is not None:
             old = self.run_cfg.layout
             self.run_cfg = dataclasses.replace(self.run_cfg, layout=decision.layout)
+            new = decision.layout.to_dict()
+            diff = {k: [v, new[k]] for k, v in old.to_dict().items() if new.get(k) != v}
             self._event("replanned", decision.reason, old=old.describe(), new=decision.layout.describe(),
-                        old_layout=old.to_dict(), new_layout=decision.layout.to_dict())
+                        old_layout=old.to_dict(), new_layout=new, diff=diff,
+                        global_batch_kept=old.global_batch == decision.layout.global_batch)
             return self._to(ControllerState.PLACING, "placing the re-planned layout")
         if decision.action == ScalingAction.FAIL:
             return self.fail(decision.reason)
@@ -273,9 +336,13 @@ class ControllerStateMachine:
             return None
         return self._to(ControllerState.PLACING, "retrying placement", quiet=True)
 
+    def _restore_steps(self) -> set[int] | None:
+        return self.ckpts.restore_steps() if self._resume else None
+
     def _on_starting(self) -> Transition:
         try:
-            actual = self.wg.start(self.run_cfg, resume=self._resume, faults=list(self._pending_faults))
+            actual = self.wg.start(self.run_cfg, resume=self._resume, faults=list(self._pending_faults),
+                                   restore_steps=self._restore_steps())
         except (WorkerGroupError, PlacementError) as e:
             return self._on_failure(Failure(FailureKind.STARTUP, str(e)))
         intended = {r["rank"]: r for r in self.placement}
@@ -283,6 +350,12 @@ class ControllerStateMachine:
         moved = [r.rank for r in actual if intended.get(r.rank, {}).get("node_id") not in (None, r.node_id)]
         if moved:
             self._event("placement_mismatch", f"ranks {moved} landed off their planned nodes", ranks=moved)
+        self._begin_attempt(actual)
+        self._event("started", f"{len(actual)} ranks started (attempt {self.restarts + 1})",
+                    placement=self.placement, attempt=self.restarts + 1)
+        return self._to(ControllerState.RUNNING, "ranks training")
+
+    def _begin_attempt(self, actual: Collection[Any]) -> None:
         self._rank_node = {r.rank: r.node_name for r in actual}
         now = self._clock()
         self._last_seen = {r.rank: now for r in actual}
@@ -290,15 +363,22 @@ class ControllerStateMachine:
         self._ckpt_open = None
         self._attempt_step = 0
         self._integrity = None
+        self._markers = {}
+        self._failed_since = None
+        self._restored_seen = False
+        self.straggler.reset(len(actual))
         self._resume = True  # every later start continues from the last checkpoint
-        self._event("started", f"{len(actual)} ranks started (attempt {self.restarts + 1})",
-                    placement=self.placement, attempt=self.restarts + 1)
-        return self._to(ControllerState.RUNNING, "ranks training")
 
     def _on_running(self) -> Transition | None:
         status = self.wg.poll()
         now = self._clock()
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for rank, ev in inbox:
+            if rank in status.ranks:
+                status.ranks[rank].events.insert(0, ev)
         self._ingest(status, now)
+        self._run_controller_faults()
         failure = self._detect(status, now)
         if failure is not None:
             return self._on_failure(failure)
@@ -314,14 +394,35 @@ class ControllerStateMachine:
         return None
 
     def _on_recovering(self) -> Transition:
-        self.wg.shutdown()
-        # A killed rank cannot report that its fault fired; the steps the job reached can.
+        # A fault whose step the job passed has fired (a killed rank may not have said so).
         reached = self.progress["step"] or 0
         self._pending_faults = [f for f in self._pending_faults if int(f.get("at_step", 0)) > reached]
         self.restarts += 1
         self._resume = True
-        self._event("restart", f"restart {self.restarts}: resuming from the last checkpoint",
-                    restarts=self.restarts, exclude_nodes=sorted(self._exclude))
+        cause = str(self._failure.kind) if self._failure else "unknown"
+        expected = self.ckpts.expected_restore()
+        common = {"restarts": self.restarts, "cause": cause, "restore_step": expected,
+                  "restore_steps": sorted(self._restore_steps() or []),
+                  "exclude_nodes": sorted(self._exclude)}
+        if self._fast_ranks:
+            ranks, self._fast_ranks = self._fast_ranks, []
+            try:
+                actual = self.wg.replace_ranks(ranks, self.run_cfg, faults=list(self._pending_faults),
+                                               restore_steps=self._restore_steps())
+            except (WorkerGroupError, PlacementError) as e:
+                self._event("fast_path_failed", f"replacing ranks {ranks} failed, restarting all: {e}")
+            else:
+                self.clock.restarted(cause, "fast")
+                self.placement = [r.to_dict() for r in actual]
+                self._begin_attempt(actual)
+                self._event("restart", f"restart {self.restarts} (fast path): replaced ranks {ranks}, "
+                            f"the others kept their processes; resuming from step {expected}",
+                            path="fast", replaced=ranks, placement=self.placement, **common)
+                return self._to(ControllerState.RUNNING, "ranks replaced")
+        self.wg.shutdown()
+        self.clock.restarted(cause, "full")
+        self._event("restart", f"restart {self.restarts}: re-placing every rank, resuming from step "
+                    f"{expected}", path="full", **common)
         return self._to(ControllerState.PLACING, "re-placing after a failure")
 
     _handlers: dict[ControllerState, Callable[[ControllerStateMachine], Transition | None]] = {
@@ -339,51 +440,161 @@ class ControllerStateMachine:
         every = self.run_cfg.checkpoint.every_steps
         ckpt_on = bool(self.run_cfg.checkpoint.dir) and not self.run_cfg.checkpoint.async_save
         world = len(status.ranks)
+        merged = []
         for rank, s in status.ranks.items():
             if s.state != "unresponsive":
                 self._last_seen[rank] = now
-            for ev in s.events:
-                kind = ev.get("kind")
-                if kind == "step":
-                    self._on_step_event(ev)
-                    step = ev.get("step")
-                    if ckpt_on and isinstance(step, int) and self._ckpt_open is None and (
-                        (every and step % every == 0) or step == self.run_cfg.steps
-                    ):
-                        self._ckpt_open = step
-                elif kind == "checkpoint":
-                    step = int(ev["step"])
-                    saved = self._ckpt_saved.setdefault(step, set())
-                    saved.add(rank)
-                    if len(saved) == world:
-                        self.progress["last_checkpoint_step"] = step
-                        self._event("checkpoint_saved", f"checkpoint of step {step} committed",
-                                    step=step, path=ev.get("path"), bytes=ev.get("bytes"),
-                                    seconds=ev.get("seconds"))
-                        if self._ckpt_open is not None and self._ckpt_open <= step:
-                            self._ckpt_open = None
-                elif kind == "integrity_error" and self._integrity is None:
-                    # Every rank raises the same agreed error; record it once.
-                    self._integrity = {k: ev.get(k) for k in ("error_kind", "step", "ranks", "evidence")}
-                    message = ev.get("message", "integrity check failed")
-                    self._event("integrity_error", message, **self._integrity)
-                elif kind == "fault_injected":
-                    fault, at = ev.get("fault"), ev.get("step")
-                    self._pending_faults = [
-                        f for f in self._pending_faults if (f.get("kind"), f.get("rank")) != (fault, rank)
-                    ]
-                    self._event("fault_injected", f"{fault} on rank {rank} at step {at}",
-                                rank=rank, fault=fault, step=at)
-                elif kind == "started" and rank == 0:
-                    self._event("rendezvous", f"process group up ({ev.get('backend')} on {ev.get('device')})",
-                                backend=ev.get("backend"), device=ev.get("device"))
+            merged += [(float(ev.get("t") or 0.0), rank, i, ev) for i, ev in enumerate(s.events)]
+        # One story across ranks: in the order things happened (the ranks' wall clocks).
+        for _, rank, _, ev in sorted(merged, key=lambda item: item[:3]):
+            kind = ev.get("kind")
+            if kind == "step":
+                self._on_step_event(rank, ev)
+                step = ev.get("step")
+                if isinstance(step, int):
+                    self._markers[rank] = (step, 0)
+                if ckpt_on and isinstance(step, int) and self._ckpt_open is None and (
+                    (every and step % every == 0) or step == self.run_cfg.steps
+                ):
+                    self._ckpt_open = step
+            elif kind == "collective":
+                step = int(ev.get("step", 0))
+                self._markers[rank] = (step, 1)
+                found = self.straggler.arrive(step, rank, float(ev.get("t", now)))
+                if found is not None and self._straggler is None:
+                    self._straggler = found
+            elif kind == "checkpoint":
+                step = int(ev["step"])
+                saved = self._ckpt_saved.setdefault(step, set())
+                saved.add(rank)
+                if len(saved) == world:
+                    self.progress["last_checkpoint_step"] = step
+                    self._event("checkpoint_saved", f"checkpoint of step {step} committed",
+                                step=step, path=ev.get("path"), bytes=ev.get("bytes"),
+                                seconds=ev.get("seconds"), verified=step in self.ckpts.verified)
+                    self._on_checkpoint_committed(step, str(ev.get("path") or ""))
+                    if self._ckpt_open is not None and self._ckpt_open <= step:
+                        self._ckpt_open = None
+            elif kind == "verified":
+                self.ckpts.mark_verified(int(ev["step"]))
+            elif kind == "restored" and not self._restored_seen:
+                self._on_restored(ev.get("step"))
+            elif kind == "integrity_error" and self._integrity is None:
+                # Every rank raises the same agreed error; record it once.
+                self._integrity = {k: ev.get(k) for k in ("error_kind", "step", "ranks", "evidence")}
+                message = ev.get("message", "integrity check failed")
+                self._event("integrity_error", message, **self._integrity)
+            elif kind == "fault_injected":
+                self._on_fault_fired(rank, ev)
+            elif kind == "started" and rank == 0:
+                self._event("rendezvous", f"process group up ({ev.get('backend')} on {ev.get('device')})",
+                            backend=ev.get("backend"), device=ev.get("device"))
 
-    def _on_step_event(self, ev: Mapping[str, Any]) -> None:
+    def _on_fault_fired(self, rank: int, ev: Mapping[str, Any]) -> None:
+        fault, at = ev.get("fault"), ev.get("step")
+        key = (fault, rank, ev.get("phase", "step"))
+        if key in self._fired:
+            return  # the controller heard it directly before the rank died, then from the rank
+        self._fired.add(key)
+        self._pending_faults = [
+            f for f in self._pending_faults if (f.get("kind"), f.get("rank")) != (fault, rank)
+        ]
+        self.clock.fault(float(ev.get("t_fault") or ev.get("t") or self._wall()))
+        extra = {k: ev[k] for k in ("target", "name", "index", "bit", "seconds", "phase") if k in ev}
+        self._event("fault_injected", f"{fault} on rank {rank} at step {at}",
+                    rank=rank, node=self._rank_node.get(rank), fault=fault, step=at, **extra)
+
+    def _on_restored(self, step: Any) -> None:
+        self._restored_seen = True
+        restored = int(step) if isinstance(step, int) else 0
+        reached = self._reached
+        dropped = self.data.rollback(restored)
+        if reached is not None:
+            lost = max(reached - restored, 0)
+            self.clock.lost(lost)
+            self._event("restore", f"restored the verified checkpoint of step {restored}; "
+                        f"{lost} step(s) lost", step=restored, steps_lost=lost,
+                        verified=sorted(self.ckpts.verified), corrupt=sorted(self.ckpts.corrupt))
+            self._reached = None
+        elif dropped:
+            self.clock.lost(dropped)
+        self.progress["step"] = restored
+        self._attempt_step = restored
+
+    def _on_checkpoint_committed(self, step: int, path: str) -> None:
+        ops = self._ckpt_ops
+        faults = self._controller_faults
+        due = [f for f in faults if f["kind"] == "corrupt_checkpoint" and f["at_step"] <= step]
+        for f in due:
+            self._controller_faults.remove(f)
+            self.clock.fault(self._wall())
+            if ops is None or not path:
+                continue
+            try:
+                damaged = ops.corrupt(path, f.get("which", "any"), f.get("mode", "flip"))
+            except Exception as e:  # noqa: BLE001 - an injection that could not be made is reported
+                self._event("fault_failed", f"corrupt_checkpoint at step {step}: {e}", fault=dict(f))
+                continue
+            self._event("fault_injected", f"corrupt_checkpoint: damaged {damaged} of the checkpoint of "
+                        f"step {step}", fault="corrupt_checkpoint", step=step, path=path, file=damaged)
+        if ops is None or not path:
+            return
+        try:
+            ops.verify(path)
+        except Exception as e:  # noqa: BLE001 - any verification failure makes the checkpoint unusable
+            why = str(e)
+            self.ckpts.mark_corrupt(step, why)
+            incident = self.clock.detected("checkpoint", self._wall())
+            self._event("failure", f"checkpoint of step {step} does not verify: {why}",
+                        failure=Failure(FailureKind.CHECKPOINT, why, step=step,
+                                        evidence={"path": path}).to_dict(),
+                        detected_by="manifest verification", time_to_detect_s=incident["time_to_detect_s"])
+            self._event("attributed", f"checkpoint of step {step} is damaged; it will never be restored",
+                        step=step, path=path, evidence={"manifest": why})
+            incident["time_to_recover_s"] = 0.0
+            self.clock.fault_t = self.clock.detect_t = None
+            self.wg.request_action("checkpoint")  # replace it with a good one at the next step
+        else:
+            self._event("checkpoint_verified", f"checkpoint of step {step} verifies against its manifest",
+                        step=step, verified=step in self.ckpts.verified)
+
+    def _run_controller_faults(self) -> None:
+        step = self.progress["step"] or 0
+        for f in [f for f in self._controller_faults if f["kind"] == "kill_node"]:
+            due = f["at_step"] <= step if f["phase"] == "step" else (
+                self._ckpt_open is not None and self._ckpt_open >= f["at_step"])
+            if not due:
+                continue
+            self._controller_faults.remove(f)
+            node = f.get("node") or self._rank_node.get(int(f.get("rank", 0)))
+            if not node:
+                continue
+            self.clock.fault(self._wall())
+            self._event("fault_injected", f"kill_node: removing node {node} at step {step}",
+                        fault="kill_node", node=node, step=step, phase=f["phase"])
+            try:
+                if self._node_killer is None:
+                    raise RuntimeError("no node killer")
+                self._node_killer(node)
+            except Exception as e:  # noqa: BLE001 - fall back to a simulated death of the node
+                killed = self.wg.kill_ranks_on_node(node)
+                self._dead_nodes.add(node)
+                self._event("fault_note", f"no cluster owner removed {node} ({e}); killed its ranks {killed} "
+                            "and marked it dead", node=node)
+
+    def _on_step_event(self, rank: int, ev: Mapping[str, Any]) -> None:
         step = ev.get("step")
+        if isinstance(step, int) and isinstance(ev.get("data_positions"), list):
+            self.data.record(step, ev["data_positions"], ev.get("step_time_s"))
         # Within an attempt steps only grow; a restart resumes from its checkpoint, so the
         # progress may step back to it.
         if not isinstance(step, int) or step < self._attempt_step:
             return
+        if self.clock.recovering and step > self._attempt_step:
+            took = self.clock.resumed(float(ev.get("t") or self._wall()))
+            if took is not None:
+                self._event("resumed", f"training resumed: step {step} done {took:.1f}s after the detection",
+                            step=step, time_to_recover_s=took)
         self._attempt_step = step
         p = self.progress
         p["step"] = step
@@ -395,8 +606,7 @@ class ControllerStateMachine:
         step = self.progress["step"]
         dead = status.in_state("dead")
         if dead:
-            return Failure(FailureKind.RANK_DIED, f"rank(s) {dead} died: {status.ranks[dead[0]].error}",
-                           tuple(dead), self._nodes(dead), step)
+            return self._death(dead, status, step)
         failed = status.in_state("failed")
         if failed and self._integrity is not None:
             # The engine's checks (NaN/Inf, loss spike, divergent DP replicas) name the ranks.
@@ -405,14 +615,22 @@ class ControllerStateMachine:
             return Failure(FailureKind.SDC, f"integrity check {info.get('error_kind')} failed at step "
                            f"{info.get('step')} on rank(s) {list(culprits)}", culprits, self._nodes(culprits),
                            info.get("step"), evidence=dict(info))
+        o = self.options
+        unresponsive = status.in_state("unresponsive")
+        if failed and unresponsive:
+            # Peers of a rank that is gone fail in their collectives first: blame the silent one.
+            self._failed_since = self._failed_since or now
+            if now - self._failed_since < o.failure_grace_s:
+                return None
+            return self._death(unresponsive, status, step)
         if failed:
             first = status.ranks[failed[0]]
             return Failure(FailureKind.RANK_ERROR, f"rank(s) {failed} failed: {first.error}",
                            tuple(failed), self._nodes(failed), step)
-        o = self.options
-        silent = [
-            r for r in status.in_state("unresponsive") if now - self._last_seen.get(r, now) > o.hang_timeout_s
-        ]
+        gone = [r for r in unresponsive if self._node_gone(r)]
+        if gone:
+            return self._death(gone, status, step)
+        silent = [r for r in unresponsive if now - self._last_seen.get(r, now) > o.hang_timeout_s]
         if silent:
             return Failure(FailureKind.HANG, f"rank(s) {silent} unresponsive for over "
                            f"{o.hang_timeout_s:.0f}s",
@@ -423,16 +641,54 @@ class ControllerStateMachine:
             and s.since_progress_s > self._progress_timeout(s.stepped)
         ]
         if stale:
-            # Everyone waits in the collective the hung rank never joined: blame the ranks that
-            # stopped earliest (lowest step, then longest silence).
-            low = min((status.ranks[r].step or 0) for r in stale)
-            behind = [r for r in stale if (status.ranks[r].step or 0) == low]
-            longest = max(status.ranks[r].since_progress_s for r in behind)
-            culprits = sorted(r for r in behind if status.ranks[r].since_progress_s >= longest - 1.0)
-            return Failure(FailureKind.HANG, f"no progress from rank(s) {culprits} for {longest:.0f}s "
-                           f"(timeout {self._progress_timeout(True):.0f}s)", tuple(culprits),
-                           self._nodes(culprits), step, evidence={"stale_ranks": stale})
+            return self._hang(stale, status, step)
+        if self._straggler is not None:
+            found, self._straggler = self._straggler, None
+            rank = int(found["rank"])
+            return Failure(FailureKind.STRAGGLER, f"rank {rank} reached the step's collective last by "
+                           f"{found['lags'][-1]['lag_s']:.1f}s for {len(found['lags'])} steps in a row",
+                           (rank,), self._nodes([rank]), step, evidence=found)
         return None
+
+    def _node_gone(self, rank: int) -> bool:
+        node = self._rank_node.get(rank)
+        return bool(node) and (node in self._dead_nodes or not self.wg.node_alive(node))
+
+    def _death(self, ranks: list[int], status: GroupStatus, step: Any) -> Failure:
+        nodes = self._nodes(ranks)
+        gone = [n for n in nodes if n in self._dead_nodes or not self.wg.node_alive(n)]
+        errors = {r: status.ranks[r].error for r in ranks}
+        if gone:
+            on_gone = tuple(r for r in ranks if self._rank_node.get(r) in gone)
+            return Failure(FailureKind.NODE_DIED, f"node(s) {gone} died with rank(s) {list(on_gone)}",
+                           on_gone, tuple(gone), step, evidence={"errors": errors})
+        return Failure(FailureKind.RANK_DIED, f"rank(s) {ranks} died: {status.ranks[ranks[0]].error}",
+                       tuple(ranks), nodes, step, evidence={"errors": errors})
+
+    def _hang(self, stale: list[int], status: GroupStatus, step: Any) -> Failure:
+        # Everyone waits in the collective the hung rank never joined: the culprits are the ranks
+        # whose last report is furthest behind ((step, entered the collective)), then the ones
+        # that stopped earliest (lowest step, then longest silence).
+        markers = {r: self._markers.get(r) for r in stale}
+        evidence: dict[str, Any] = {"stale_ranks": stale,
+                                    "last_report": {str(r): m for r, m in markers.items()}}
+        known = {r: m for r, m in markers.items() if m is not None}
+        if len(known) == len(stale) and len(set(known.values())) > 1:
+            low = min(known.values())
+            culprits = sorted(r for r, m in known.items() if m == low)
+            waiting = sorted(r for r, m in known.items() if m != low)
+            evidence["waiting_in_collective"] = waiting
+            longest = max(status.ranks[r].since_progress_s for r in culprits)
+            return Failure(FailureKind.HANG, f"rank(s) {culprits} never entered the step-{low[0]} collective "
+                           f"that rank(s) {waiting} wait in ({longest:.0f}s)", tuple(culprits),
+                           self._nodes(culprits), step, evidence=evidence)
+        low_step = min((status.ranks[r].step or 0) for r in stale)
+        behind = [r for r in stale if (status.ranks[r].step or 0) == low_step]
+        longest = max(status.ranks[r].since_progress_s for r in behind)
+        culprits = sorted(r for r in behind if status.ranks[r].since_progress_s >= longest - 1.0)
+        return Failure(FailureKind.HANG, f"no progress from rank(s) {culprits} for {longest:.0f}s "
+                       f"(timeout {self._progress_timeout(True):.0f}s)", tuple(culprits),
+                       self._nodes(culprits), step, evidence=evidence)
 
     def _progress_timeout(self, stepped: bool) -> float:
         o = self.options
@@ -447,20 +703,70 @@ class ControllerStateMachine:
         return tuple(sorted({self._rank_node[r] for r in ranks if r in self._rank_node}))
 
     def _on_failure(self, failure: Failure) -> Transition | None:
-        self._event("failure", failure.message, failure=failure.to_dict())
+        self._failure = failure
+        if failure.kind == FailureKind.STRAGGLER and self.options.straggler_action == "report":
+            self._event("straggler", failure.message, failure=failure.to_dict())
+            for n in failure.nodes:
+                self._mark_node(n, failure)
+            return None
+        incident = self.clock.detected(str(failure.kind), self._wall())
+        self._reached = self._attempt_step or (self.progress["step"] or 0)
+        detector = _DETECTORS.get(failure.kind, str(failure.kind))
+        self._event("failure", failure.message, failure=failure.to_dict(), detected_by=detector,
+                    time_to_detect_s=incident["time_to_detect_s"])
         decision = self.failure_policy.decide(failure, self.restarts)
-        for n in decision.suspect_nodes:
-            if n not in self._suspect:
-                self._suspect.add(n)
-                self._event("node_suspect", f"node {n} is suspect after {failure.kind}", node=n)
-        for n in decision.quarantine_nodes:
-            if n not in self._quarantined:
-                self._quarantined.add(n)
-                self._event("node_quarantined", f"node {n} quarantined after {failure.kind}", node=n)
+        if failure.ranks or failure.nodes:
+            transient = failure.evidence.get("evidence", {}).get("transient") if failure.evidence else None
+            self._event("attributed", f"{failure.kind} attributed to rank(s) {list(failure.ranks)} on "
+                        f"node(s) {list(failure.nodes)}", ranks=list(failure.ranks),
+                        nodes=list(failure.nodes), cause=str(failure.kind), evidence=failure.evidence,
+                        transient=transient)
+        quarantine = set(decision.quarantine_nodes)
+        for n in sorted(set(decision.suspect_nodes) | quarantine | set(failure.nodes)):
+            if failure.kind == FailureKind.STARTUP and n not in quarantine:
+                continue
+            self._mark_node(n, failure, quarantine=n in quarantine,
+                            dead=failure.kind == FailureKind.NODE_DIED and n in failure.nodes)
         if decision.action == FailureAction.RAISE:
             return self.fail(decision.reason)
         self._exclude = set(decision.exclude_nodes)
+        if failure.kind == FailureKind.STRAGGLER:
+            self._exclude |= set(failure.nodes)
+        self._fast_ranks = self._fast_path_ranks(failure)
         return self._to(ControllerState.RECOVERING, decision.reason)
+
+    def _mark_node(
+        self, node: str, failure: Failure, *, quarantine: bool = False, dead: bool = False
+    ) -> None:
+        new = self.nodes.record(node, quarantine=quarantine, dead=dead)
+        if new is None:
+            return
+        kind = {"suspect": "node_suspect", "quarantined": "node_quarantined", "dead": "node_dead"}[new]
+        count = self.nodes.faults[node]
+        why = str(failure.kind)
+        if quarantine:
+            why = "confirmed SDC"
+        elif new == "quarantined":
+            why = f"{count} fault(s)"
+        self._event(kind, f"node {node} is {new} after {why}", node=node, health=new, faults=count,
+                    cause=str(failure.kind))
+
+    def _fast_path_ranks(self, failure: Failure) -> list[int]:
+        """Ranks to replace in place, or [] for a full restart."""
+        if not self.options.fast_path or failure.kind not in (FailureKind.RANK_DIED, FailureKind.HANG):
+            return []
+        bad = self.nodes.in_state("quarantined", "dead") | self._exclude | set(self._cordoned)
+        if not failure.ranks or any(n in bad for n in failure.nodes):
+            return []
+        return sorted(failure.ranks)
+
+    @property
+    def suspect_nodes(self) -> list[str]:
+        return sorted(self.nodes.in_state("suspect"))
+
+    @property
+    def quarantined_nodes(self) -> list[str]:
+        return sorted(self.nodes.in_state("quarantined"))
 
     def _final_result(self, status: GroupStatus) -> dict[str, Any]:
         results = {r: s.result or {} for r, s in status.ranks.items()}
@@ -475,6 +781,26 @@ class ControllerStateMachine:
             "resumed_from": first.get("resumed_from"),
             "restarts": self.restarts,
             "layout": self.run_cfg.layout.to_dict(),
+            "data_positions": self.data.summary(),
+            "faults": self.fault_stats(),
+        }
+
+    def fault_stats(self) -> dict[str, Any]:
+        """What the service turns into fault-tolerance metrics (restarts by cause, time to detect
+        and to recover per incident, steps lost, goodput, SDC detections, node health)."""
+        wall = max(self._wall() - self._started_wall, 1e-9)
+        return {
+            "restarts_by_cause": dict(self.clock.restarts_by_cause),
+            "incidents": [dict(i) for i in self.clock.incidents],
+            "steps_lost": self.clock.steps_lost,
+            "sdc_detections": self.clock.sdc_detections,
+            "useful_step_seconds": round(self.data.useful_seconds(), 4),
+            "wall_seconds": round(wall, 3),
+            "goodput": round(min(self.data.useful_seconds() / wall, 1.0), 4),
+            "node_health": dict(self.nodes.health),
+            "node_faults": dict(self.nodes.faults),
+            "verified_steps": sorted(self.ckpts.verified),
+            "corrupt_steps": sorted(self.ckpts.corrupt),
         }
 
     # ---- the event log and what the service reads ----------------------------------------------------
@@ -513,6 +839,20 @@ class ControllerStateMachine:
                 "reason": self.reason,
                 "restarts": self.restarts,
                 "layout": self.run_cfg.layout.to_dict(),
-                "suspect_nodes": sorted(self._suspect),
-                "quarantined_nodes": sorted(self._quarantined),
+                "suspect_nodes": self.suspect_nodes,
+                "quarantined_nodes": self.quarantined_nodes,
+                "node_health": dict(self.nodes.health),
+                "faults": self.fault_stats(),
             }
+
+
+_DETECTORS = {
+    FailureKind.RANK_DIED: "actor death (ActorDiedError)",
+    FailureKind.NODE_DIED: "node death (the node left the cluster; its actors died)",
+    FailureKind.HANG: "heartbeat timeout",
+    FailureKind.STRAGGLER: "collective arrival times",
+    FailureKind.SDC: "integrity checks (fingerprint vote / re-run, local gradient norm, NaN/Inf, loss spike)",
+    FailureKind.RANK_ERROR: "rank error",
+    FailureKind.STARTUP: "startup",
+    FailureKind.CHECKPOINT: "manifest verification",
+}

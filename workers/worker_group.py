@@ -79,11 +79,13 @@ class WorkerGroup(ABC):
 
     @abstractmethod
     def start(
-        self, run_cfg: RunConfig, *, resume: bool, faults: Sequence[Mapping[str, Any]] = ()
+        self, run_cfg: RunConfig, *, resume: bool, faults: Sequence[Mapping[str, Any]] = (),
+        restore_steps: Collection[int] | None = None,
     ) -> list[RankPlacement]:
         """Create the ranks in the reservation, rendezvous, launch training. Returns where each
         rank really runs. `faults` ({"kind", "rank", "at_step", ...}) are armed before training
-        starts (issue 6 injection). Raises WorkerGroupStartupError."""
+        starts (issue 6 injection); `restore_steps` limits the checkpoints the ranks may resume
+        from (the verified ones; None = any valid one). Raises WorkerGroupStartupError."""
 
     @abstractmethod
     def poll(self) -> GroupStatus:
@@ -96,6 +98,26 @@ class WorkerGroup(ABC):
     def inject_fault(self, kind: str, rank: int, at_step: int, **params: Any) -> None:  # noqa: B027
         """Issue 6: schedule a rank-level fault. Optional for implementations."""
         raise NotImplementedError(f"{type(self).__name__} does not inject faults")
+
+    def replace_ranks(  # noqa: B027
+        self, ranks: Sequence[int], run_cfg: RunConfig, *, faults: Sequence[Mapping[str, Any]] = (),
+        restore_steps: Collection[int] | None = None,
+    ) -> list[RankPlacement]:
+        """Issue 6 fast path: keep the other ranks' processes, start new ones for `ranks` in their
+        reservation slots, rendezvous again on a new port and resume everyone. Raises
+        WorkerGroupError when it cannot (the caller falls back to a full restart)."""
+        raise WorkerGroupError(f"{type(self).__name__} cannot replace single ranks")
+
+    def kill_ranks_on_node(self, node_name: str) -> list[int]:  # noqa: B027
+        """End every rank process on `node_name` (a node death without a cluster to remove it from)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot kill ranks")
+
+    def node_alive(self, node_name: str) -> bool:
+        """Does the cluster still see this node alive (default: assume so)?"""
+        return True
+
+    def request_action(self, action: str) -> None:  # noqa: B027
+        """Ask every rank for 'checkpoint' / 'stop' / 'checkpoint_and_stop' at the next step."""
 
 
 RemoteRankActor = ray.remote(RankActor)
@@ -129,6 +151,7 @@ class RayWorkerGroup(WorkerGroup):
         self._pg: Any = None
         self._placement: Placement | None = None
         self._actors: list[Any] = []
+        self._where: list[RankPlacement] = []
         self._attempt = 0
 
     # ---- topology / reservation ------------------------------------------------------------------
@@ -156,18 +179,7 @@ class RayWorkerGroup(WorkerGroup):
         placement = self._placement
         world = placement.world_size
         try:
-            self._actors = [
-                RemoteRankActor.options(
-                    num_gpus=1,
-                    num_cpus=self.cpus_per_rank,
-                    max_concurrency=4,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self._pg, placement_group_bundle_index=r.rank
-                    ),
-                    runtime_env={"env_vars": dict(self.env_vars)},
-                ).remote(self.job_id, r.rank, world, {"pp": r.pp, "dp": r.dp, "cp": r.cp, "tp": r.tp})
-                for r in placement.ranks
-            ]
+            self._actors = [self._new_actor(r, world) for r in placement.ranks]
             where = ray.get([a.where.remote() for a in self._actors], timeout=self.start_timeout_s)
         except (RayActorError, GetTimeoutError, ActorUnavailableError) as e:
             raise WorkerGroupStartupError(f"rank actors did not start: {e}") from e
@@ -183,10 +195,24 @@ class RayWorkerGroup(WorkerGroup):
                 log.warning("rank %d landed on %s, not %s", intended.rank, w["node_name"], intended.node_name)
         return actual
 
-    def launch(self, run_cfg: RunConfig, *, resume: bool) -> None:
-        """Rendezvous on rank 0's address and start training on every rank."""
+    def _new_actor(self, r: RankPlacement, world: int) -> Any:
+        return RemoteRankActor.options(
+            num_gpus=1,
+            num_cpus=self.cpus_per_rank,
+            max_concurrency=4,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=r.rank
+            ),
+            runtime_env={"env_vars": dict(self.env_vars)},
+        ).remote(self.job_id, r.rank, world, {"pp": r.pp, "dp": r.dp, "cp": r.cp, "tp": r.tp})
+
+    def launch(
+        self, run_cfg: RunConfig, *, resume: bool, restore_steps: Collection[int] | None = None
+    ) -> None:
+        """Rendezvous on rank 0's address (a fresh port each time) and start training on every rank."""
         if not self._actors:
             raise WorkerGroupStartupError("launch() before spawn()")
+        steps = None if restore_steps is None else sorted(restore_steps)
         try:
             addr, port = ray.get(self._actors[0].rendezvous.remote(), timeout=self.start_timeout_s)
             ray.get(
@@ -194,6 +220,7 @@ class RayWorkerGroup(WorkerGroup):
                     a.start.remote(
                         addr, port, run_cfg, resume=resume, train_fn=self.train_fn,
                         flops_per_token=self.flops_per_token, rendezvous_timeout_s=self.rendezvous_timeout_s,
+                        restore_steps=steps,
                     )
                     for a in self._actors
                 ],
@@ -202,15 +229,84 @@ class RayWorkerGroup(WorkerGroup):
         except (RayActorError, GetTimeoutError, ActorUnavailableError) as e:
             raise WorkerGroupStartupError(f"rendezvous/launch failed: {e}") from e
 
-    def start(
-        self, run_cfg: RunConfig, *, resume: bool, faults: Sequence[Mapping[str, Any]] = ()
-    ) -> list[RankPlacement]:
-        actual = self.spawn()
+    def _arm(self, faults: Sequence[Mapping[str, Any]], ranks: Collection[int] | None = None) -> None:
+        from workers.faults import RANK_FAULTS
+
         for f in faults:
+            if f.get("kind") not in RANK_FAULTS or (ranks is not None and int(f["rank"]) not in ranks):
+                continue
             params = {k: v for k, v in f.items() if k not in ("kind", "rank", "at_step")}
             self.inject_fault(str(f["kind"]), int(f["rank"]), int(f["at_step"]), **params)
-        self.launch(run_cfg, resume=resume)
+
+    def start(
+        self, run_cfg: RunConfig, *, resume: bool, faults: Sequence[Mapping[str, Any]] = (),
+        restore_steps: Collection[int] | None = None,
+    ) -> list[RankPlacement]:
+        actual = self.spawn()
+        self._arm(faults)
+        self.launch(run_cfg, resume=resume, restore_steps=restore_steps)
+        self._where = actual
         return actual
+
+    def replace_ranks(
+        self, ranks: Sequence[int], run_cfg: RunConfig, *, faults: Sequence[Mapping[str, Any]] = (),
+        restore_steps: Collection[int] | None = None,
+    ) -> list[RankPlacement]:
+        if self._pg is None or self._placement is None or not self._actors:
+            raise WorkerGroupError("no running group to repair")
+        placement, world = self._placement, self._placement.world_size
+        doomed = set(ranks)
+        for r in doomed:  # a hung rank is still alive: end it, which also frees its peers' collectives
+            try:
+                ray.kill(self._actors[r], no_restart=True)
+            except Exception as e:  # noqa: BLE001 - already dead
+                log.debug("kill rank %d: %s", r, e)
+        survivors = [r for r in range(world) if r not in doomed]
+        try:
+            for r in doomed:
+                self._actors[r] = self._new_actor(placement.ranks[r], world)
+            timeout = self.start_timeout_s
+            where = ray.get([self._actors[r].where.remote() for r in sorted(doomed)], timeout=timeout)
+            done = ray.get([self._actors[r].reset.remote() for r in survivors], timeout=timeout)
+        except (RayActorError, GetTimeoutError, ActorUnavailableError) as e:
+            raise WorkerGroupError(f"fast path: replacement ranks did not start: {e}") from e
+        stuck = [r for r, ok in zip(survivors, done, strict=True) if not ok]
+        if stuck:
+            raise WorkerGroupError(f"fast path: ranks {stuck} are still inside the failed step")
+        actual = {r.rank: r for r in getattr(self, "_where", [])}
+        for r, w in zip(sorted(doomed), where, strict=True):
+            i = placement.ranks[r]
+            actual[r] = RankPlacement(rank=r, pp=i.pp, dp=i.dp, cp=i.cp, tp=i.tp, node_id=w["node_id"],
+                                      node_name=w["node_name"], rack=w["rack"], gpu=w["gpu"])
+        self._arm(faults, doomed)
+        self.launch(run_cfg, resume=True, restore_steps=restore_steps)
+        self._where = [actual[r] for r in sorted(actual)]
+        return list(self._where)
+
+    def kill_ranks_on_node(self, node_name: str) -> list[int]:
+        killed = [r.rank for r in getattr(self, "_where", []) if r.node_name == node_name]
+        for r in killed:
+            try:
+                ray.kill(self._actors[r], no_restart=True)
+            except Exception as e:  # noqa: BLE001 - already dead
+                log.debug("kill rank %d: %s", r, e)
+        return killed
+
+    def node_alive(self, node_name: str) -> bool:
+        ids = {r.node_id for r in getattr(self, "_where", []) if r.node_name == node_name}
+        for n in ray.nodes():
+            labels = n.get("Labels") or {}
+            if str(n["NodeID"]) in ids or labels.get("node_name") == node_name:
+                if n.get("Alive"):
+                    return True
+        return False
+
+    def request_action(self, action: str) -> None:
+        for a in self._actors:
+            try:
+                a.request_action.remote(action)
+            except Exception as e:  # noqa: BLE001 - a dead rank is the failure path's business
+                log.debug("request_action: %s", e)
 
     def poll(self) -> GroupStatus:
         refs = [a.poll.remote() for a in self._actors]
@@ -249,6 +345,7 @@ class RayWorkerGroup(WorkerGroup):
             except Exception as e:  # noqa: BLE001 - already dead
                 log.debug("kill rank actor: %s", e)
         self._actors = []
+        self._where = []
         release(self._pg)
         self._pg = None
         self._placement = None

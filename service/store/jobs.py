@@ -38,7 +38,9 @@ LEGAL_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 # Columns a transition may set together with the state (atomically, in the same UPDATE).
 TRANSITION_FIELDS = frozenset({"attempt", "error", "result", "plan"})
 # Columns update_progress may set; progress does not bump `version`.
-PROGRESS_FIELDS = frozenset({"step", "total_steps", "loss", "tokens_per_s", "mfu", "result"})
+PROGRESS_FIELDS = frozenset(
+    {"step", "total_steps", "loss", "tokens_per_s", "mfu", "result", "placement", "controller_seq"}
+)
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
@@ -225,7 +227,8 @@ def list_events(
 
 
 def update_progress(session: Session, job_id: str, **fields: Any) -> None:
-    """Record training progress (step, total_steps, loss, tokens_per_s, mfu, result).
+    """Record training progress (step, total_steps, loss, tokens_per_s, mfu, result, placement,
+    controller_seq).
 
     Does not bump `version`: progress never races a state change's compare-and-set. A job
     in a terminal state keeps its final progress (the update is ignored).

@@ -156,6 +156,11 @@ class Job(Base):
     tokens_per_s: Mapped[float | None] = mapped_column(Float)
     mfu: Mapped[float | None] = mapped_column(Float)
     result: Mapped[dict[str, Any] | None]
+    # Where each rank runs, read back from the rank actors: [{rank, pp, dp, cp, tp, node_id, node_name,
+    # rack, gpu}]; written by the scheduler with the progress.
+    placement: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType)
+    # Last job-controller event seq stored (the scheduler resumes polling after it).
+    controller_seq: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text)
     # Allocates job_events.seq atomically (UPDATE ... RETURNING), see store.jobs.append_event.
     event_seq: Mapped[int] = mapped_column(Integer, default=0)

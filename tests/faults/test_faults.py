@@ -1,0 +1,116 @@
+"""One case of each fault kind (issue 6), at the workers level: a real controller, real rank
+actors on the shared Ray cluster, real gloo training. Each job must succeed with the fault-free
+run's weights, train on every sample exactly once, keep the culprit out, and log the story in
+order. The full matrix (every kind x early / mid-run / during a checkpoint save) is in
+test_fault_matrix.py, marked slow."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.faults.harness import (
+    assert_in_order,
+    assert_kept_off,
+    assert_succeeded_like_fault_free,
+    events,
+    job_cfg,
+    options,
+    run_job,
+    wait_for_free_gpus,
+)
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(autouse=True)
+def _free_cluster(ray_cluster):
+    wait_for_free_gpus(16)
+    yield
+
+
+def test_kill_rank_is_detected_and_only_the_dead_rank_is_replaced(tmp_path):
+    cfg = job_cfg(str(tmp_path / "ckpt"))
+    snap = run_job("ft-kill-rank", cfg, options({"kind": "kill_rank", "rank": 1, "at_step": 3}))
+    assert_succeeded_like_fault_free(snap, cfg)
+    assert_in_order(snap, ["fault_injected", "failure", "attributed", "node_suspect", "restart", "restore",
+                           "resumed", "finished"])
+    failure = events(snap, "failure")[0]
+    assert failure["failure"]["kind"] == "rank_died" and failure["failure"]["ranks"] == [1]
+    assert failure["time_to_detect_s"] is not None
+    restart = events(snap, "restart")[0]
+    assert restart["path"] == "fast" and restart["replaced"] == [1]
+    restore = events(snap, "restore")[0]
+    assert (restore["step"], restore["steps_lost"]) == (2, 1)
+    assert snap["restarts"] == 1 and snap["faults"]["restarts_by_cause"] == {"rank_died": 1}
+    assert events(snap, "resumed")[0]["time_to_recover_s"] is not None
+
+
+def test_hang_is_attributed_to_the_rank_that_never_entered_the_collective(tmp_path):
+    cfg = job_cfg(str(tmp_path / "ckpt"))
+    snap = run_job("ft-hang", cfg, options({"kind": "hang_rank", "rank": 0, "at_step": 3}))
+    assert_succeeded_like_fault_free(snap, cfg)
+    assert_in_order(snap, ["fault_injected", "failure", "attributed", "node_suspect", "restart", "restore",
+                           "resumed", "finished"])
+    failure = events(snap, "failure")[0]["failure"]
+    assert failure["kind"] == "hang" and failure["ranks"] == [0]
+    assert failure["evidence"]["waiting_in_collective"] == [1]
+    assert events(snap, "restore")[0]["step"] == 2
+
+
+def test_straggler_is_found_by_its_late_arrivals_and_moved_off_its_node(tmp_path):
+    cfg = job_cfg(str(tmp_path / "ckpt"))
+    opts = options({"kind": "slow_rank", "rank": 1, "at_step": 1, "seconds": 1.0}, straggler_steps=2,
+                   straggler_lag_s=0.5)
+    snap = run_job("ft-slow", cfg, opts)
+    assert_succeeded_like_fault_free(snap, cfg)
+    assert_in_order(snap, ["fault_injected", "failure", "attributed", "node_suspect", "restart", "restore",
+                           "resumed", "finished"])
+    failure = events(snap, "failure")[0]["failure"]
+    assert failure["kind"] == "straggler" and failure["ranks"] == [1]
+    assert all(lag["rank"] == 1 and lag["lag_s"] > 0.5 for lag in failure["evidence"]["lags"])
+    assert_kept_off(snap, failure["nodes"][0], "restart")
+
+
+def test_bitflip_in_one_of_two_replicas_is_attributed_by_rerun_and_its_node_quarantined(tmp_path):
+    cfg = job_cfg(str(tmp_path / "ckpt"))
+    flip = {"kind": "bitflip", "rank": 1, "at_step": 3, "target": "param", "bit": 30, "index": 7}
+    snap = run_job("ft-bitflip", cfg, options(flip))
+    assert_succeeded_like_fault_free(snap, cfg)
+    assert_in_order(snap, ["fault_injected", "integrity_error", "failure", "attributed", "node_quarantined",
+                           "restart", "restore", "resumed", "finished"])
+    attributed = events(snap, "attributed")[0]
+    assert attributed["ranks"] == [1] and attributed["transient"] is True
+    evidence = attributed["evidence"]["evidence"]
+    assert evidence["votes"][0]["reproduced"] == {"0": True, "1": False}
+    node = attributed["nodes"][0]
+    assert snap["quarantined_nodes"] == [node]
+    assert events(snap, "restore")[0]["step"] == 2  # step 3 was never verified
+    assert_kept_off(snap, node, "node_quarantined")
+
+
+def test_corrupt_checkpoint_is_never_restored(tmp_path):
+    cfg = job_cfg(str(tmp_path / "ckpt"))
+    faults = ({"kind": "corrupt_checkpoint", "at_step": 4}, {"kind": "kill_rank", "rank": 0, "at_step": 5})
+    snap = run_job("ft-corrupt", cfg, options(*faults))
+    assert_succeeded_like_fault_free(snap, cfg)
+    assert_in_order(snap, ["fault_injected", "failure", "attributed", "fault_injected", "failure", "restart",
+                           "restore", "resumed", "finished"])
+    detected = events(snap, "failure")[0]
+    assert detected["failure"]["kind"] == "checkpoint" and detected["detected_by"] == "manifest verification"
+    assert "damaged" in detected["failure"]["message"]
+    assert 4 in snap["faults"]["corrupt_steps"]
+    assert events(snap, "restore")[0]["step"] == 2  # the newest verified, undamaged checkpoint
+
+
+def test_kill_node_is_a_node_death_and_the_job_moves_to_healthy_nodes(tmp_path, revive_nodes):
+    cfg = job_cfg(str(tmp_path / "ckpt"))
+    snap = run_job("ft-kill-node", cfg, options({"kind": "kill_node", "rank": 1, "at_step": 3}))
+    assert_succeeded_like_fault_free(snap, cfg)
+    assert_in_order(snap, ["fault_injected", "failure", "attributed", "node_dead", "restart", "restore",
+                           "resumed", "finished"])
+    failure = events(snap, "failure")[0]["failure"]
+    node = events(snap, "fault_injected")[0]["node"]
+    assert failure["kind"] == "node_died" and failure["nodes"] == [node]
+    assert revive_nodes.killed == [node]
+    assert events(snap, "restart")[0]["path"] == "full"
+    assert_kept_off(snap, node, "node_dead")
