@@ -1,19 +1,22 @@
-"""docs/metrics.md documents every metric of service/metrics.py with its real type and labels."""
+"""docs/metrics.md and the README document every metric of service/metrics.py, type and labels."""
 
 from __future__ import annotations
 
 import re
+
+import pytest
 
 from service.metrics import REGISTRY
 from tests.deploy.promql import RAY_METRICS
 from tests.deploy.tools import ROOT
 
 DOC = ROOT / "docs" / "metrics.md"
+README = ROOT / "README.md"
 
 
-def _table_rows() -> dict[str, tuple[str, set[str]]]:
+def _table_rows(path=DOC) -> dict[str, tuple[str, set[str]]]:
     rows = {}
-    for line in DOC.read_text().splitlines():
+    for line in path.read_text().splitlines():
         m = re.fullmatch(r"\| `(lattice_\w+)` \| (\w+) \| ([^|]*) \| [^|]+ \|", line.strip())
         if m:
             labels = set(re.findall(r"`(\w+)`", m.group(3)))
@@ -21,8 +24,9 @@ def _table_rows() -> dict[str, tuple[str, set[str]]]:
     return rows
 
 
-def test_every_metric_is_documented_with_its_type_and_labels() -> None:
-    rows = _table_rows()
+@pytest.mark.parametrize("path", [DOC, README], ids=["docs", "readme"])
+def test_every_metric_is_documented_with_its_type_and_labels(path) -> None:
+    rows = _table_rows(path)
     expected = {}
     for collector in REGISTRY._collector_to_names:  # noqa: SLF001
         name = collector._name + ("_total" if collector._type == "counter" else "")  # noqa: SLF001

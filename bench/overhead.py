@@ -1,0 +1,239 @@
+"""What running a job under Lattice costs, against the same training run without it.
+
+The demo-sized job (examples/demo.yaml: preset "demo", 8 ranks, the planner's tp=2 pp=2 dp=2,
+30 steps, a checkpoint every 10) runs three ways on one machine, one after the other:
+
+1. Lattice: submitted over HTTP to the real service (embedded Ray cluster of 2 racks x 2 nodes x
+   4 virtual GPUs, scheduler, controller actor, one rank actor per GPU);
+2. torchrun-style: 8 spawned processes rendezvousing over TCP (env://), the engine called directly;
+3. Ray Train: `ray.train.torch.TorchTrainer` with 8 workers of 1 GPU each on the same Ray cluster.
+
+Every run uses the same RunConfig (so the three model digests must agree) and reports the time
+from submit/launch to the end of the first step, and the steady-state step time: the engine's own
+per-step measurement (median over the steps after the first `--warmup`), and the wall time per
+step over the same steps (which includes the checkpoint saves). Lattice's step times are sampled by
+polling its API every 50 ms (a step is seen at most ~0.3 s late: the scheduler's and the
+controller's poll intervals), so its time to first step carries that resolution.
+
+    python -m bench.overhead [--steps 30] [--warmup 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_SPEC = ROOT / "examples" / "demo.yaml"
+
+
+@dataclass
+class Measure:
+    name: str
+    first_step_s: float
+    step_s: float  # median engine-measured step time after warm-up
+    wall_per_step_s: float  # wall time per step after warm-up (checkpoint saves included)
+    digest: str | None
+
+
+def _steady(samples: dict[int, tuple[float, float]], warmup: int) -> tuple[float, float]:
+    """samples: step -> (wall time first seen, engine step time). Returns (median step, wall/step)."""
+    steps = sorted(s for s in samples if s > warmup)
+    if len(steps) < 2:
+        return float("nan"), float("nan")
+    median = statistics.median(samples[s][1] for s in steps)
+    wall = (samples[steps[-1]][0] - samples[steps[0]][0]) / (steps[-1] - steps[0])
+    return median, wall
+
+
+# ---- 1: Lattice --------------------------------------------------------------------------------------
+def run_lattice(spec: dict[str, Any], runtime: Any, warmup: int) -> Measure:
+    import httpx
+
+    url = runtime.serve_in_thread(0)
+    token = runtime.admin_token or runtime.settings.token_path.read_text().strip()
+    tokens_per_step = spec["train"]["global_batch"] * runtime_seq_len(spec)
+    samples: dict[int, tuple[float, float]] = {}
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+        t0 = time.time()
+        job = client.post("/v1/jobs", json=spec).raise_for_status().json()
+        while True:
+            job = client.get(f"/v1/jobs/{job['id']}").raise_for_status().json()
+            p, now = job["progress"], time.time()
+            if p["step"] and p["step"] not in samples and p["tokens_per_s"]:
+                samples[p["step"]] = (now, tokens_per_step / p["tokens_per_s"])
+            if job["state"] in ("succeeded", "failed", "cancelled"):
+                break
+            time.sleep(0.05)
+    if job["state"] != "succeeded":
+        raise RuntimeError(f"the Lattice job {job['state']}: {job.get('error')}")
+    first = samples[min(samples)][0] - t0
+    median, wall = _steady(samples, warmup)
+    return Measure("Lattice", first, median, wall, job["result"]["model_digest"])
+
+
+def runtime_seq_len(spec: dict[str, Any]) -> int:
+    from service.schemas import JobSpec
+
+    return JobSpec.model_validate(spec).model_spec().seq_len
+
+
+# ---- the engine under a hook that records when each step ended ------------------------------------------
+def _timed_train(ctx: Any, cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from training.config import RunConfig
+    from training.train import TrainHooks, train
+
+    torch.set_num_threads(1)
+    times: list[tuple[int, float, float]] = []
+
+    class Hooks(TrainHooks):
+        def on_step(self, info: Any) -> None:
+            times.append((info.step, time.time(), info.step_time_s))
+
+    result = train(ctx, RunConfig.from_dict(cfg_dict), Hooks(), resume=False)
+    return {"times": times, "digest": result.model_digest}
+
+
+# ---- 2: torchrun-style processes ------------------------------------------------------------------------
+def _direct_rank(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from training.dist import DistContext
+
+    ctx = DistContext(rank=rank, world_size=world, device=torch.device("cpu"), backend="gloo")
+    return _timed_train(ctx, cfg_dict)
+
+
+def run_direct(cfg_dict: dict[str, Any], warmup: int) -> Measure:
+    from bench._common import spawn
+
+    t0 = time.time()
+    out = spawn(8, _direct_rank, (cfg_dict,))
+    return _measure("torchrun-style", out, t0, warmup)
+
+
+def _measure(name: str, out: dict[str, Any], t0: float, warmup: int) -> Measure:
+    samples = {step: (wall, st) for step, wall, st in out["times"]}
+    median, wall = _steady(samples, warmup)
+    return Measure(name, samples[min(samples)][0] - t0, median, wall, out["digest"])
+
+
+# ---- 3: Ray Train ---------------------------------------------------------------------------------------
+def _ray_train_loop(config: dict[str, Any]) -> None:
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from training.dist import DistContext
+
+    ctx = DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), device=torch.device("cpu"),
+                      backend=dist.get_backend())
+    out = _timed_train(ctx, config["cfg"])
+    if ctx.rank == 0:
+        Path(config["out"]).write_text(json.dumps(out))
+    ray.train.report({"final_step": len(out["times"])})
+
+
+def run_ray_train(cfg_dict: dict[str, Any], warmup: int, workdir: Path) -> Measure:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    out_file = workdir / "raytrain.json"
+    trainer = TorchTrainer(
+        _ray_train_loop,
+        train_loop_config={"cfg": cfg_dict, "out": str(out_file)},
+        scaling_config=ScalingConfig(num_workers=8, use_gpu=False, resources_per_worker={"CPU": 0.1, "GPU": 1}),
+        run_config=RunConfig(name="lattice-overhead", storage_path=str(workdir / "ray_results")),
+    )
+    t0 = time.time()
+    trainer.fit()
+    return _measure("Ray Train", json.loads(out_file.read_text()), t0, warmup)
+
+
+# ---- main -----------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=None, help="Steps (default: the demo spec's).")
+    parser.add_argument("--warmup", type=int, default=5, help="Steps left out of the steady state.")
+    args = parser.parse_args(argv)
+
+    from service.runtime import Runtime
+    from service.schemas import JobSpec
+    from service.settings import Settings
+    from training.layout import Layout
+
+    spec = yaml.safe_load(DEMO_SPEC.read_text())
+    if args.steps:
+        spec["train"]["steps"] = args.steps
+    workdir = Path(tempfile.mkdtemp(prefix="lattice-overhead-"))
+    settings = Settings(home=workdir / "home", log_level="warning", scheduler_interval_s=0.1,
+                        ray_address=None, database_url=None, checkpoint_root=None, token_file=None)
+    runtime = Runtime(settings).start()
+    results: list[Measure] = []
+    try:
+        lattice = run_lattice(spec, runtime, args.warmup)
+        results.append(lattice)
+        plan_layout = _plan_layout(runtime)
+        cfg = JobSpec.model_validate(spec).to_run_config(Layout.from_dict(plan_layout), None)
+        # The same run with checkpoints in a fresh directory (the same saves as under Lattice).
+        for name in ("direct", "raytrain"):
+            cfg_dict = cfg.to_dict()
+            cfg_dict["checkpoint"]["dir"] = str(workdir / f"ckpt-{name}")
+            if name == "direct":
+                results.append(run_direct(cfg_dict, args.warmup))
+            else:
+                results.append(run_ray_train(cfg_dict, args.warmup, workdir))
+    finally:
+        runtime.stop()
+    report(results, spec, plan_layout, args.warmup)
+    return 0
+
+
+def _plan_layout(runtime: Any) -> dict[str, Any]:
+    from service import store
+
+    with runtime.scheduler._rsf() as s:  # noqa: SLF001 - the bench reads the store directly
+        job = store.list_jobs(s, limit=1)[0]
+        return dict(job.plan["layout"])
+
+
+def report(results: list[Measure], spec: dict[str, Any], layout: dict[str, Any], warmup: int) -> None:
+    base = {m.name: m for m in results}["torchrun-style"]
+    print(f"# bench/overhead.py  {datetime.datetime.now().isoformat(timespec='seconds')}  "
+          f"{platform.node()} {platform.processor() or platform.machine()} x{os.cpu_count()} CPUs")
+    print(f"job: preset {spec['model'].get('preset')}, {spec['train']['steps']} steps, global batch "
+          f"{spec['train']['global_batch']}, layout tp={layout['tp']} pp={layout['pp']} dp={layout['dp']} "
+          f"zero={layout['zero_stage']} m={layout['num_microbatches']}; steady state = steps > {warmup}")
+    header = f"{'run':<16}{'submit->1st step':>18}{'step (median)':>16}{'wall/step':>12}{'vs torchrun':>14}"
+    print(header)
+    for m in results:
+        print(f"{m.name:<16}{m.first_step_s:>16.2f} s{m.step_s * 1e3:>13.0f} ms{m.wall_per_step_s * 1e3:>9.0f} ms"
+              f"{m.first_step_s / base.first_step_s:>8.2f}x / {m.step_s / base.step_s:.2f}x")
+    print("ratios are (time to first step, median step time) over the torchrun-style run")
+    for m in results:
+        if m.name != "Lattice":
+            continue
+        for other in results:
+            if other is not m:
+                print(f"Lattice / {other.name}: first step {m.first_step_s / other.first_step_s:.2f}x, "
+                      f"step {m.step_s / other.step_s:.2f}x, wall/step {m.wall_per_step_s / other.wall_per_step_s:.2f}x")
+    digests = {m.name: m.digest for m in results}
+    same = len(set(digests.values())) == 1
+    print(f"model digests {'agree' if same else 'DIFFER'}: " + ", ".join(f"{k} {str(v)[:12]}" for k, v in digests.items()))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
