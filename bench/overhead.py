@@ -155,7 +155,9 @@ def run_ray_train(cfg_dict: dict[str, Any], warmup: int, workdir: Path) -> Measu
     trainer = TorchTrainer(
         _ray_train_loop,
         train_loop_config={"cfg": cfg_dict, "out": str(out_file)},
-        scaling_config=ScalingConfig(num_workers=8, use_gpu=False, resources_per_worker={"CPU": 0.1, "GPU": 1}),
+        scaling_config=ScalingConfig(
+            num_workers=8, use_gpu=False, resources_per_worker={"CPU": 0.1, "GPU": 1}
+        ),
         run_config=RunConfig(name="lattice-overhead", storage_path=str(workdir / "ray_results")),
     )
     t0 = time.time()
@@ -212,27 +214,27 @@ def _plan_layout(runtime: Any) -> dict[str, Any]:
 
 def report(results: list[Measure], spec: dict[str, Any], layout: dict[str, Any], warmup: int) -> None:
     base = {m.name: m for m in results}["torchrun-style"]
-    print(f"# bench/overhead.py  {datetime.datetime.now().isoformat(timespec='seconds')}  "
-          f"{platform.node()} {platform.processor() or platform.machine()} x{os.cpu_count()} CPUs")
+    now = datetime.datetime.now().isoformat(timespec="seconds")
+    print(f"# bench/overhead.py  {now}  {platform.node()} {platform.machine()} x{os.cpu_count()} CPUs")
     print(f"job: preset {spec['model'].get('preset')}, {spec['train']['steps']} steps, global batch "
           f"{spec['train']['global_batch']}, layout tp={layout['tp']} pp={layout['pp']} dp={layout['dp']} "
           f"zero={layout['zero_stage']} m={layout['num_microbatches']}; steady state = steps > {warmup}")
-    header = f"{'run':<16}{'submit->1st step':>18}{'step (median)':>16}{'wall/step':>12}{'vs torchrun':>14}"
-    print(header)
+    print(f"{'run':<16}{'submit->1st step':>18}{'step (median)':>16}{'wall/step':>12}"
+          f"{'1st step vs torchrun':>22}{'step vs torchrun':>18}")
     for m in results:
-        print(f"{m.name:<16}{m.first_step_s:>16.2f} s{m.step_s * 1e3:>13.0f} ms{m.wall_per_step_s * 1e3:>9.0f} ms"
-              f"{m.first_step_s / base.first_step_s:>8.2f}x / {m.step_s / base.step_s:.2f}x")
-    print("ratios are (time to first step, median step time) over the torchrun-style run")
-    for m in results:
-        if m.name != "Lattice":
+        print(f"{m.name:<16}{m.first_step_s:>16.2f} s{m.step_s * 1e3:>13.0f} ms"
+              f"{m.wall_per_step_s * 1e3:>9.0f} ms{m.first_step_s / base.first_step_s:>21.2f}x"
+              f"{m.step_s / base.step_s:>17.2f}x")
+    lattice = next(m for m in results if m.name == "Lattice")
+    for other in results:
+        if other is lattice:
             continue
-        for other in results:
-            if other is not m:
-                print(f"Lattice / {other.name}: first step {m.first_step_s / other.first_step_s:.2f}x, "
-                      f"step {m.step_s / other.step_s:.2f}x, wall/step {m.wall_per_step_s / other.wall_per_step_s:.2f}x")
-    digests = {m.name: m.digest for m in results}
-    same = len(set(digests.values())) == 1
-    print(f"model digests {'agree' if same else 'DIFFER'}: " + ", ".join(f"{k} {str(v)[:12]}" for k, v in digests.items()))
+        print(f"Lattice / {other.name}: first step {lattice.first_step_s / other.first_step_s:.2f}x, "
+              f"step {lattice.step_s / other.step_s:.2f}x, "
+              f"wall/step {lattice.wall_per_step_s / other.wall_per_step_s:.2f}x")
+    digests = ", ".join(f"{m.name} {str(m.digest)[:12]}" for m in results)
+    same = len({m.digest for m in results}) == 1
+    print(f"model digests {'agree' if same else 'DIFFER'}: {digests}")
 
 
 if __name__ == "__main__":

@@ -163,6 +163,8 @@ def run_demo(spec_path: Path, *, exit_after: bool, port: int | None) -> int:
     from service.runtime import Runtime, ServiceStartError
 
     settings = Settings()
+    if "log_level" not in settings.model_fields_set:  # the demo's console is the progress bar
+        settings = settings.model_copy(update={"log_level": "warning"})
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = yaml.safe_load(spec_path.read_text())
     if port is None:

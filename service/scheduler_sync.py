@@ -63,17 +63,29 @@ def store_controller_event(s: Session, job: Job, event: Mapping[str, Any]) -> No
     payload["cseq"] = event["seq"]
     if kind == "checkpoint_saved":
         step = int(event["step"])
-        every = int(((job.spec or {}).get("fault_tolerance") or {}).get("sdc_check_every", 0) or 0)
-        # The engine checks integrity before a step's save and stops instead of saving when it fails.
-        store.record_checkpoint(
-            s, job.id, step, str(event.get("path") or ""),
-            verified=bool(every) and step % every == 0, bytes=int(event.get("bytes") or 0),
-        )
+        verified = event.get("verified")
+        if not isinstance(verified, bool):
+            # The engine checks integrity before a step's save and stops instead of saving when it fails.
+            every = int(((job.spec or {}).get("fault_tolerance") or {}).get("sdc_check_every", 0) or 0)
+            verified = bool(every) and step % every == 0
+        store.record_checkpoint(s, job.id, step, str(event.get("path") or ""), verified=verified,
+                                bytes=int(event.get("bytes") or 0))
         return
-    if kind in ("node_suspect", "node_quarantined") and event.get("node"):
+    if kind == "checkpoint_verified" and isinstance(event.get("verified"), bool):
+        _mark_checkpoint(s, job.id, int(event["step"]), event["verified"])
+    elif kind == "failure" and (event.get("failure") or {}).get("kind") == "checkpoint":
+        step = (event.get("failure") or {}).get("step")
+        if isinstance(step, int):
+            _mark_checkpoint(s, job.id, step, False)  # a damaged checkpoint is never restored
+    elif kind in ("node_suspect", "node_quarantined") and event.get("node"):
         _record_node_fault(s, str(event["node"]), quarantine=kind == "node_quarantined",
                            fault=f"job {job.id}: {event.get('message', kind)}")
     store.append_event(s, job.id, "controller_state" if kind == "state" else kind[:32], payload)
+
+
+def _mark_checkpoint(s: Session, job_id: str, step: int, verified: bool) -> None:
+    if any(c.step == step for c in store.list_checkpoints(s, job_id)):
+        store.mark_checkpoint_verified(s, job_id, step, verified)
 
 
 def _record_node_fault(s: Session, name: str, *, quarantine: bool, fault: str) -> None:

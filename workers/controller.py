@@ -134,6 +134,10 @@ class JobController:
         """A rank's event delivered directly (it is about to die and its buffer with it)."""
         self._sm.report(rank, event)
 
+    def trigger(self, rank: int, fault: dict[str, Any]) -> str:
+        """A rank reached a controller-side fault (kill_node, corrupt_checkpoint): carry it out."""
+        return self._sm.trigger(rank, fault)
+
     def close(self) -> None:
         """The service has collected the final state; let the actor go."""
         self._closed.set()
@@ -151,6 +155,11 @@ class LocalCheckpointOps:
         from training.checkpoint import corrupt_checkpoint
 
         return corrupt_checkpoint(path, which, mode)
+
+    def list(self, root: str) -> list[int]:
+        from training.checkpoint import list_checkpoints
+
+        return list_checkpoints(root)
 
 
 def kill_node(name: str) -> None:

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TRAIN_FN = "training.train:train"
 MAX_BUFFERED_EVENTS = 10_000
-RANK_FAULT_KINDS = ("kill_rank", "hang_rank", "slow_rank", "bitflip")
+RANK_FAULT_KINDS = ("kill_rank", "hang_rank", "slow_rank", "bitflip", "kill_node", "corrupt_checkpoint")
 ACTIONS = ("checkpoint", "stop", "checkpoint_and_stop")
 
 
@@ -97,6 +97,7 @@ def make_hooks(actor: RankActor) -> Any:
 
         def on_checkpoint(self, step: int, path: str, nbytes: int, seconds: float) -> None:
             actor._record("checkpoint", {"step": step, "path": path, "bytes": nbytes, "seconds": seconds})
+            actor._after_commit(step, path)
 
         def on_integrity_error(self, error: Any) -> Any:
             actor._record(
@@ -273,11 +274,13 @@ class RankActor:
         if not isinstance(step, int):
             return
         due = [f for f in self._faults if f["at_step"] <= step and f.get("phase", "step") == phase
-               and f["kind"] != "bitflip"]
+               and f["kind"] not in ("bitflip", "corrupt_checkpoint")]
         for fault in due:
             self._faults.remove(fault)
             info = {"fault": fault["kind"], "step": step, "phase": phase, "t_fault": time.time()}
-            if fault["kind"] == "kill_rank":
+            if fault["kind"] == "kill_node":  # the controller removes the node (ours dies with it)
+                self._trigger({**fault, "step": step, "phase": phase})
+            elif fault["kind"] == "kill_rank":
                 self._record("fault_injected", info)
                 self._tell_controller("fault_injected", info)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -288,6 +291,25 @@ class RankActor:
             elif fault["kind"] == "slow_rank":
                 self._slow_s = float(fault.get("seconds", 1.0))
                 self._record("fault_injected", {**info, "seconds": self._slow_s})
+
+    def _after_commit(self, step: int, path: str) -> None:
+        """corrupt_checkpoint: the controller damages the first checkpoint committed at or after
+        the fault's step."""
+        for fault in [f for f in self._faults if f["kind"] == "corrupt_checkpoint" and f["at_step"] <= step]:
+            self._faults.remove(fault)
+            self._trigger({**fault, "step": step, "path": path})
+
+    def _trigger(self, fault: dict[str, Any]) -> None:
+        try:
+            import ray
+
+            from workers.controller import NAMESPACE, controller_name
+
+            handle = ray.get_actor(controller_name(self.job_id), namespace=NAMESPACE)
+            ray.get(handle.trigger.remote(self.rank, fault), timeout=60.0)
+        except Exception as e:  # noqa: BLE001 - reported, training goes on
+            log.warning("rank %d: %s fault could not be carried out: %s", self.rank, fault.get("kind"), e)
+            self._record("fault_failed", {"fault": fault.get("kind"), "error": str(e)[:500]})
 
     def _report_flips(self, step: Any) -> None:
         """Bit flips the engine applied since the last step (they fire inside the step)."""

@@ -40,7 +40,7 @@ from typing import Any
 
 from training.config import RunConfig
 from workers.fault_ledger import CheckpointLedger, DataLedger, FaultClock, NodeLedger, StragglerWatch
-from workers.faults import CONTROLLER_FAULTS, normalize_faults
+from workers.faults import normalize_faults
 from workers.placement import PlacementError, place
 from workers.policies import (
     Failure,
@@ -188,6 +188,7 @@ class ControllerStateMachine:
         self._fired: set[tuple[Any, int, Any]] = set()
         self._reached: int | None = None
         self._dead_nodes: set[str] = set()
+        self._scrubbed: set[int] = set()
         self._exclude: set[str] = set()
         self._resume = self.options.resume
         self._placing_since: float | None = None
@@ -201,8 +202,9 @@ class ControllerStateMachine:
         self._attempt_step = 0
         self._integrity: dict[str, Any] | None = None  # the engine's integrity error in this attempt
         faults = normalize_faults(list(self.options.faults))
-        self._pending_faults = [f for f in faults if f["kind"] not in CONTROLLER_FAULTS]
-        self._controller_faults = [f for f in faults if f["kind"] in CONTROLLER_FAULTS]
+        # Every fault is armed on a rank; kill_node and corrupt_checkpoint are triggered by one at
+        # the exact step (`trigger`) and carried out here.
+        self._pending_faults = list(faults)
 
     # ---- the loop body ---------------------------------------------------------------------------
     def step(self) -> Transition | None:
@@ -272,14 +274,45 @@ class ControllerStateMachine:
         """Add a fault while the job runs (POST /v1/jobs/{id}/faults)."""
         (f,) = normalize_faults([dict(fault)])
         with self._lock:
-            if f["kind"] in CONTROLLER_FAULTS:
-                self._controller_faults.append(f)
-            else:
-                self._pending_faults.append(f)
-        if f["kind"] not in CONTROLLER_FAULTS and self.state in (ControllerState.RUNNING,
-                                                                  ControllerState.CHECKPOINTING):
+            self._pending_faults.append(f)
+        if self.state in (ControllerState.RUNNING, ControllerState.CHECKPOINTING):
             params = {k: v for k, v in f.items() if k not in ("kind", "rank", "at_step")}
-            self.wg.inject_fault(f["kind"], f["rank"], f["at_step"], **params)
+            self.wg.inject_fault(f["kind"], int(f.get("rank") or 0), f["at_step"], **params)
+
+    def trigger(self, rank: int, fault: Mapping[str, Any]) -> str:
+        """Carry out a controller-side fault a rank reached (kill_node, corrupt_checkpoint); called
+        from the rank, which waits (a kill_node of its own node never returns to it)."""
+        kind, step = fault.get("kind"), fault.get("step")
+        with self._lock:
+            self._pending_faults = [f for f in self._pending_faults
+                                    if (f.get("kind"), int(f.get("rank") or 0)) != (kind, rank)]
+            self._fired.add((kind, rank, fault.get("phase", "step")))
+        self.clock.fault(self._wall())
+        if kind == "corrupt_checkpoint":
+            path = str(fault.get("path") or "")
+            if self._ckpt_ops is None or not path:
+                raise RuntimeError("no checkpoint to damage")
+            damaged = self._ckpt_ops.corrupt(path, fault.get("which", "any"), fault.get("mode", "flip"))
+            self._event("fault_injected", f"corrupt_checkpoint: damaged {damaged} of the checkpoint of "
+                        f"step {step}", fault=kind, step=step, path=path, file=damaged, rank=rank)
+            return damaged
+        if kind != "kill_node":
+            raise ValueError(f"{kind} is not a controller-side fault")
+        node = fault.get("node") or self._rank_node.get(rank)
+        if not node:
+            raise RuntimeError(f"kill_node: rank {rank}'s node is unknown")
+        self._event("fault_injected", f"kill_node: removing node {node} at step {step}", fault=kind,
+                    node=node, step=step, phase=fault.get("phase", "step"), rank=rank)
+        try:
+            if self._node_killer is None:
+                raise RuntimeError("no node killer")
+            self._node_killer(node)
+        except Exception as e:  # noqa: BLE001 - fall back to a simulated death of the node
+            self._dead_nodes.add(node)
+            killed = self.wg.kill_ranks_on_node(node)
+            self._event("fault_note", f"no cluster owner removed {node} ({e}); killed its ranks {killed} "
+                        "and marked it dead", node=node)
+        return node
 
     def _on_placing(self) -> Transition:
         if self._placing_since is None:
@@ -378,7 +411,6 @@ class ControllerStateMachine:
             if rank in status.ranks:
                 status.ranks[rank].events.insert(0, ev)
         self._ingest(status, now)
-        self._run_controller_faults()
         failure = self._detect(status, now)
         if failure is not None:
             return self._on_failure(failure)
@@ -400,6 +432,7 @@ class ControllerStateMachine:
         self.restarts += 1
         self._resume = True
         cause = str(self._failure.kind) if self._failure else "unknown"
+        self._scrub_candidates()
         expected = self.ckpts.expected_restore()
         common = {"restarts": self.restarts, "cause": cause, "restore_step": expected,
                   "restore_steps": sorted(self._restore_steps() or []),
@@ -522,23 +555,15 @@ class ControllerStateMachine:
         self._attempt_step = restored
 
     def _on_checkpoint_committed(self, step: int, path: str) -> None:
+        self.ckpts.committed[step] = path
+        self._scrub(step, path)
+
+    def _scrub(self, step: int, path: str) -> bool:
+        """Check a committed checkpoint against its manifest; a damaged one is never restored."""
         ops = self._ckpt_ops
-        faults = self._controller_faults
-        due = [f for f in faults if f["kind"] == "corrupt_checkpoint" and f["at_step"] <= step]
-        for f in due:
-            self._controller_faults.remove(f)
-            self.clock.fault(self._wall())
-            if ops is None or not path:
-                continue
-            try:
-                damaged = ops.corrupt(path, f.get("which", "any"), f.get("mode", "flip"))
-            except Exception as e:  # noqa: BLE001 - an injection that could not be made is reported
-                self._event("fault_failed", f"corrupt_checkpoint at step {step}: {e}", fault=dict(f))
-                continue
-            self._event("fault_injected", f"corrupt_checkpoint: damaged {damaged} of the checkpoint of "
-                        f"step {step}", fault="corrupt_checkpoint", step=step, path=path, file=damaged)
-        if ops is None or not path:
-            return
+        if ops is None or not path or step in self.ckpts.corrupt or step in self._scrubbed:
+            return step not in self.ckpts.corrupt
+        self._scrubbed.add(step)
         try:
             ops.verify(path)
         except Exception as e:  # noqa: BLE001 - any verification failure makes the checkpoint unusable
@@ -550,37 +575,29 @@ class ControllerStateMachine:
                                         evidence={"path": path}).to_dict(),
                         detected_by="manifest verification", time_to_detect_s=incident["time_to_detect_s"])
             self._event("attributed", f"checkpoint of step {step} is damaged; it will never be restored",
-                        step=step, path=path, evidence={"manifest": why})
+                        step=step, path=path, cause="checkpoint", evidence={"manifest": why})
             incident["time_to_recover_s"] = 0.0
             self.clock.fault_t = self.clock.detect_t = None
-            self.wg.request_action("checkpoint")  # replace it with a good one at the next step
-        else:
-            self._event("checkpoint_verified", f"checkpoint of step {step} verifies against its manifest",
-                        step=step, verified=step in self.ckpts.verified)
+            if self.state in (ControllerState.RUNNING, ControllerState.CHECKPOINTING):
+                self.wg.request_action("checkpoint")  # replace it with a good one at the next step
+            return False
+        self._event("checkpoint_verified", f"checkpoint of step {step} verifies against its manifest",
+                    step=step, verified=step in self.ckpts.verified)
+        return True
 
-    def _run_controller_faults(self) -> None:
-        step = self.progress["step"] or 0
-        for f in [f for f in self._controller_faults if f["kind"] == "kill_node"]:
-            due = f["at_step"] <= step if f["phase"] == "step" else (
-                self._ckpt_open is not None and self._ckpt_open >= f["at_step"])
-            if not due:
+    def _scrub_candidates(self) -> None:
+        """Before a restart: verify the checkpoints it could restore, newest first, until one is good
+        (a rank that died may never have reported its part of the last save)."""
+        ops, root = self._ckpt_ops, self.run_cfg.checkpoint.dir
+        if ops is None or not root or not hasattr(ops, "list"):
+            return
+        allowed = self.ckpts.restore_steps()
+        for step in sorted(ops.list(root), reverse=True):
+            if allowed is not None and step not in allowed:
                 continue
-            self._controller_faults.remove(f)
-            node = f.get("node") or self._rank_node.get(int(f.get("rank", 0)))
-            if not node:
-                continue
-            self.clock.fault(self._wall())
-            self._event("fault_injected", f"kill_node: removing node {node} at step {step}",
-                        fault="kill_node", node=node, step=step, phase=f["phase"])
-            try:
-                if self._node_killer is None:
-                    raise RuntimeError("no node killer")
-                self._node_killer(node)
-            except Exception as e:  # noqa: BLE001 - fall back to a simulated death of the node
-                killed = self.wg.kill_ranks_on_node(node)
-                self._dead_nodes.add(node)
-                self._event("fault_note", f"no cluster owner removed {node} ({e}); killed its ranks {killed} "
-                            "and marked it dead", node=node)
+            self.ckpts.committed.setdefault(step, f"{root}/step-{step}")
+            if self._scrub(step, self.ckpts.committed[step]):
+                return
 
     def _on_step_event(self, rank: int, ev: Mapping[str, Any]) -> None:
         step = ev.get("step")

@@ -230,13 +230,12 @@ class RayWorkerGroup(WorkerGroup):
             raise WorkerGroupStartupError(f"rendezvous/launch failed: {e}") from e
 
     def _arm(self, faults: Sequence[Mapping[str, Any]], ranks: Collection[int] | None = None) -> None:
-        from workers.faults import RANK_FAULTS
-
         for f in faults:
-            if f.get("kind") not in RANK_FAULTS or (ranks is not None and int(f["rank"]) not in ranks):
+            rank = int(f.get("rank") or 0)  # controller-side faults are triggered by rank 0 by default
+            if ranks is not None and rank not in ranks:
                 continue
             params = {k: v for k, v in f.items() if k not in ("kind", "rank", "at_step")}
-            self.inject_fault(str(f["kind"]), int(f["rank"]), int(f["at_step"]), **params)
+            self.inject_fault(str(f["kind"]), rank, int(f["at_step"]), **params)
 
     def start(
         self, run_cfg: RunConfig, *, resume: bool, faults: Sequence[Mapping[str, Any]] = (),

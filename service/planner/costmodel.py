@@ -22,6 +22,8 @@ from service.planner.formulas import (
     ParamCounts,
     activation_bytes_per_layer,
     bubble_fraction,
+    cp_ring_bytes_per_layer,
+    ep_all_to_all_bytes_per_layer,
     flops_per_token,
     hops,
     inflight_microbatches,
@@ -29,6 +31,7 @@ from service.planner.formulas import (
     param_counts,
     recompute_flops_per_token_layer,
     ring_bytes,
+    ring_recompute_flops_per_token_layer,
     tp_bytes_per_layer,
 )
 from service.planner.hardware import GpuType
@@ -71,6 +74,7 @@ class Env:
         self.recompute_flops = {
             rc: recompute_flops_per_token_layer(model, self.s, rc) for rc in ("none", "selective", "full")
         }
+        self.ring_recompute_flops = ring_recompute_flops_per_token_layer(model, self.s)
         self.is_moe = model.is_moe
         self.reserve = float(gpu.reserve_bytes)
         self.capacity = float(gpu.hbm_bytes)
@@ -211,10 +215,11 @@ class Micro:
         s, h = env.s, m.hidden
         s_loc = s // cp  # context parallel splits the sequence (queries); keys span all of it
         tokens = mbs * s_loc
-        self.act_layer = activation_bytes_per_layer(s_loc, mbs, h, m.heads, tp, sp, recompute, s)
+        ring = cp > 1  # ring attention keeps a log-sum-exp, not the scores (formulas.py)
+        self.act_layer = activation_bytes_per_layer(s_loc, mbs, h, m.heads, tp, sp, recompute, s, ring)
         # Full recomputation re-materialises one layer at a time during backward.
         self.act_work = (
-            activation_bytes_per_layer(s_loc, mbs, h, m.heads, tp, sp, "selective")
+            activation_bytes_per_layer(s_loc, mbs, h, m.heads, tp, sp, "selective", s, ring)
             if recompute == "full"
             else 0.0
         )
@@ -223,7 +228,8 @@ class Micro:
         rate = env.flops_rate
         attn_flops = 12.0 * h * s  # per token, forward + backward (PaLM, Appendix B)
         self.t_compute_plain = tokens * env.layer_flops / tp / rate
-        self.t_compute = self.t_compute_plain + tokens * env.recompute_flops[recompute] / tp / rate
+        extra = env.recompute_flops[recompute] + (env.ring_recompute_flops if ring else 0.0)
+        self.t_compute = self.t_compute_plain + tokens * extra / tp / rate
         self.t_head = tokens * 6.0 * m.vocab * h / tp / rate
         # TP: forward and backward, plus the recomputed forward under full recomputation.
         passes = 3 if recompute == "full" else 2
@@ -231,20 +237,22 @@ class Micro:
         self.t_tp = (
             self.tp_bytes / fam.tp_tier.bw + passes * 4 * hops(tp) * fam.tp_tier.latency if tp > 1 else 0.0
         )
-        # CP ring: each rank passes its K and V blocks around the ring forward; K, V and their gradients
-        # backward (Liu et al. 2023), overlapped with the attention blocks it computes meanwhile.
-        if cp > 1:
-            kv = 2.0 * tokens * m.n_kv_heads * m.head_dim * 2 / tp
-            self.cp_bytes = 3.0 * (cp - 1) * kv
-            ring = self.cp_bytes / fam.cp_tier.bw + 3 * (cp - 1) * fam.cp_tier.latency
+        # CP ring: (4cp-2) bf16 K/V blocks per layer (formulas.cp_ring_bytes_per_layer), one latency per
+        # ring step (cp-1 forward, cp backward), overlapped with the attention blocks computed meanwhile.
+        if ring:
+            kv_local = 2.0 * tokens * m.n_kv_heads * m.head_dim * 2 / tp  # K and V of s/cp tokens, bf16
+            self.cp_bytes = cp_ring_bytes_per_layer(kv_local, cp)
+            ring_t = self.cp_bytes / fam.cp_tier.bw + (2 * cp - 1) * fam.cp_tier.latency
             attn_time = tokens * attn_flops / tp / rate
-            self.t_cp = max(0.0, ring - attn_time) + OVERLAP_SLOWDOWN * min(ring, attn_time)
+            self.t_cp = max(0.0, ring_t - attn_time) + OVERLAP_SLOWDOWN * min(ring_t, attn_time)
         else:
             self.cp_bytes, self.t_cp = 0.0, 0.0
-        # EP: dispatch and combine all-to-alls, forward and backward (Lepikhin et al. 2020, GShard).
+        # EP: dispatch and combine all-to-alls, forward and backward, in the MoE share of the layers
+        # (formulas.ep_all_to_all_bytes_per_layer); not overlapped (they sit between router and experts).
         if env.is_moe and fam.ep > 1:
-            self.ep_bytes = 4.0 * tokens * m.top_k * h * 2 * (fam.ep - 1) / fam.ep / tp
-            self.t_ep = self.ep_bytes / fam.ep_tier.bw + 4 * (fam.ep - 1) * fam.ep_tier.latency
+            frac = env.counts.moe_fraction
+            self.ep_bytes = frac * ep_all_to_all_bytes_per_layer(tokens / tp, m.top_k, h, fam.ep)
+            self.t_ep = self.ep_bytes / fam.ep_tier.bw + frac * 4 * (fam.ep - 1) * fam.ep_tier.latency
         else:
             self.ep_bytes, self.t_ep = 0.0, 0.0
         self.t_layer = self.t_compute + self.t_tp + self.t_cp + self.t_ep

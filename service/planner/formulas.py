@@ -17,30 +17,37 @@ V_SHAPED = ("zbv_zero_bubble", "dualpipev")
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Parameters of one model, split by where they live and how they are sharded."""
+    """Parameters of one model, split by where they live and how they are sharded.
 
-    attn: int  # per layer: q, k, v, o projections
-    mlp: int  # per layer: dense MLP (0 for MoE)
-    experts: int  # per layer: all experts together (0 for dense)
-    expert_active: int  # per layer: the top_k experts a token passes through
-    router: int  # per layer
-    norms: int  # per layer
+    Per-layer figures are averages over the layers: with ModelSpec.moe_layer_freq > 1 only every
+    k-th block is MoE, so `mlp`, `experts`, `expert_active` and `router` are the dense MLP and the
+    MoE parts weighted by their share of the blocks (then layers x per-layer figure is exact).
+    """
+
+    attn: float  # per layer: q, k, v, o projections
+    mlp: float  # per layer: dense MLP (0 for an all-MoE model)
+    experts: float  # per layer: all experts together (0 for dense)
+    expert_active: float  # per layer: the top_k experts a token passes through
+    router: float  # per layer
+    norms: float  # per layer
     embed: int  # input embedding
     head: int  # output projection (0 when tied)
     final_norm: int
+    moe_fraction: float = 0.0  # share of the blocks that are MoE
 
     @property
-    def per_layer(self) -> int:
+    def per_layer(self) -> float:
         return self.attn + self.mlp + self.experts + self.router + self.norms
 
     @property
-    def per_layer_dense(self) -> int:
+    def per_layer_dense(self) -> float:
         """Per-layer parameters sharded by TP only (everything but the experts)."""
         return self.attn + self.mlp + self.router + self.norms
 
     @property
-    def matmul_active_per_layer(self) -> int:
-        """Per-layer weights a token multiplies with (Kaplan et al. 2020: C = 6N per token)."""
+    def matmul_active_per_layer(self) -> float:
+        """Per-layer weights a token multiplies with (Kaplan et al. 2020: C = 6N per token; for MoE only
+        the top_k experts it is routed to, Fedus et al. 2022, Switch Transformer, Sec. 2)."""
         return self.attn + self.mlp + self.expert_active + self.router
 
 
@@ -49,24 +56,20 @@ def param_counts(model: ModelSpec) -> ParamCounts:
     kv_dim = model.n_kv_heads * model.head_dim
     attn = 2 * h * h + 2 * h * kv_dim  # q and o are h x h; k and v are h x kv_dim (GQA)
     mats = 3 if model.activation == "swiglu" else 2  # SwiGLU has gate, up, down; GeLU MLP has up, down
-    if model.is_moe:
-        one_expert = mats * h * model.expert_ffn_dim
-        mlp, experts, active, router = (
-            0,
-            model.num_experts * one_expert,
-            model.top_k * one_expert,
-            h * model.num_experts,
-        )
-    else:
-        mlp, experts, active, router = mats * h * f, 0, 0, 0
+    frac = model.num_moe_layers / model.layers if model.is_moe else 0.0
+    one_expert = mats * h * model.expert_ffn_dim
+    mlp = (1.0 - frac) * mats * h * f
+    experts = frac * model.num_experts * one_expert
+    active = frac * model.top_k * one_expert
+    router = frac * h * model.num_experts
     embed = model.vocab * h
     head = 0 if model.tied_embeddings else model.vocab * h
-    return ParamCounts(attn, mlp, experts, active, router, 2 * h, embed, head, h)
+    return ParamCounts(attn, mlp, experts, active, router, 2 * h, embed, head, h, frac)
 
 
 def total_params(model: ModelSpec) -> int:
     c = param_counts(model)
-    return model.layers * c.per_layer + c.embed + c.head + c.final_norm
+    return round(model.layers * c.per_layer + c.embed + c.head + c.final_norm)
 
 
 def flops_per_token(model: ModelSpec, seq_len: int) -> float:
@@ -88,6 +91,41 @@ def recompute_flops_per_token_layer(model: ModelSpec, seq_len: int, recompute: s
     if recompute == "selective":  # only the attention core (QK^T, softmax, AV) is recomputed
         return 4.0 * model.hidden * seq_len
     return 0.0
+
+
+def ring_recompute_flops_per_token_layer(model: ModelSpec, seq_len: int) -> float:
+    """Extra FLOPs per token per layer of ring attention's backward: each block's scores QK^T are
+    recomputed from the saved log-sum-exp (Dao 2023, FlashAttention-2, Sec. 3.1.2), 2*h*s."""
+    return 2.0 * model.hidden * seq_len
+
+
+def cp_ring_bytes_per_layer(kv_local_bytes: float, cp: int, grad_bytes_ratio: float = 2.0) -> float:
+    """Bytes one rank sends around the context-parallel ring per layer per micro-batch, fwd + bwd.
+
+    What training/context_parallel.py sends (docs/context_parallel.md, "Costs", measured exactly by
+    bench/cp.py): forward, its K/V block travels cp-1 hops; backward, K/V again cp-1 hops and the dK/dV
+    accumulator cp hops (a last hop brings it home to its owner), accumulated in fp32. With
+    `kv_local_bytes` the K and V of the rank's s/cp tokens in the activation dtype and `grad_bytes_ratio`
+    = 4 / activation bytes: (2(cp-1) + cp*r) * kv_local = (4cp-2) * kv_local in bf16, (3cp-2) in fp32.
+    Ring attention: Liu et al. 2023.
+    """
+    if cp <= 1:
+        return 0.0
+    return (2.0 * (cp - 1) + cp * grad_bytes_ratio) * kv_local_bytes
+
+
+def ep_all_to_all_bytes_per_layer(tokens: float, top_k: int, h: int, ep: int, act_bytes: int = 2) -> float:
+    """Bytes one rank sends in an MoE layer's all-to-alls per micro-batch, forward + backward.
+
+    Each of the rank's `tokens` goes to top_k experts: dispatch sends top_k hidden vectors per token, and
+    with balanced routing (ep-1)/ep of them leave the rank; combine sends the expert outputs back, the
+    same volume; backward runs both exchanges in reverse with the gradients (Lepikhin et al. 2020,
+    GShard, Sec. 3.2; DeepSeek-AI 2024, DeepSeek-V3, Sec. 3.2.2):
+    4 * tokens * top_k * h * act_bytes * (ep-1)/ep. Token dropping (capacity factor) only lowers it.
+    """
+    if ep <= 1:
+        return 0.0
+    return 4.0 * tokens * top_k * h * act_bytes * (ep - 1) / ep
 
 
 def model_state_bytes(
@@ -114,6 +152,7 @@ def activation_bytes_per_layer(
     sp: bool = False,
     recompute: str = "none",
     s_kv: int | None = None,
+    ring_attention: bool = False,
 ) -> float:
     """Activation bytes one transformer layer keeps for backward, for one micro-batch.
 
@@ -122,9 +161,15 @@ def activation_bytes_per_layer(
     parallel too; selective recomputation drops the 5*a*s/h attention term; full recomputation keeps
     only the layer input, 2*s*b*h (divided by t with sequence parallel). With context parallel, `s` is
     a rank's share of the sequence and `s_kv` the full length its queries attend to (scores are s x s_kv).
+    `ring_attention` (context parallel, training/context_parallel.py): the ring never materialises the
+    scores; it keeps q, k, v and the output (inside the 34) and one fp32 log-sum-exp per query and head,
+    4*a bytes per token, instead of the 5*a*s/h term (docs/context_parallel.md, "Costs").
     """
     sbh = float(s) * b * h
-    attn = 0.0 if recompute == "selective" else 5.0 * a * (s if s_kv is None else s_kv) / h
+    if ring_attention:
+        attn = 4.0 * a / h
+    else:
+        attn = 0.0 if recompute == "selective" else 5.0 * a * (s if s_kv is None else s_kv) / h
     if recompute == "full":
         return 2.0 * sbh / (t if sp else 1)
     if sp:

@@ -103,6 +103,24 @@ PRESETS: dict[str, ModelSpec] = {
         rope_theta=1e6,
         name="mixtral-8x7b",
     ),
+    # DeepSeek-V3 (DeepSeek-AI 2024, Sec. 4.2): 61 layers, hidden 7168, 128 heads, 256 routed experts
+    # with top-8 routing, expert ffn 2048, vocabulary 129280, 4096-token pre-training sequences.
+    # Approximations (ModelSpec has no such fields): multi-head latent attention is modelled as
+    # standard multi-head attention (4 h^2 per layer instead of MLA's ~187M, +10%), and the shared
+    # expert and the 3 leading dense layers are left out. Total 702B vs the published 671B (+4.6%),
+    # active 35B vs 37B (-5%) (tests/planner/test_cp_ep.py checks both).
+    "deepseek-v3": ModelSpec(
+        layers=61,
+        hidden=7168,
+        heads=128,
+        vocab=129280,
+        seq_len=4096,
+        num_experts=256,
+        top_k=8,
+        expert_ffn=2048,
+        ffn=18432,
+        name="deepseek-v3",
+    ),
 }
 
 
