@@ -14,8 +14,12 @@ Per CP degree, every rank runs `ring_attention` forward + backward on its load-b
   fwd (cp-1) x kv_local, bwd (cp-1) x kv_local + cp x dkv_local (dK/dV accumulators in fp32 make
   one extra hop back to their owner), where kv_local = K and V of S/cp tokens; in total per rank
   fwd = (cp-1)/cp x (K+V bytes of the full sequence);
-- planner: the cost model's ring bytes per layer, 3 (cp-1) x kv_local
-  (service/planner/costmodel.py, forward K/V + backward K/V + their gradients).
+- planner: the cost model's own numbers (service.planner), next to the measurement:
+  ring bytes per layer `cp_ring_bytes_per_layer` ((3cp-2) x kv_local in fp32), the per-rank
+  activation ratio of `activation_bytes_per_layer(S/cp, ..., ring_attention=True)` to CP=1, and the
+  predicted time of this attention on the planner's `cpu-virtual` device: 12 h S FLOPs per token
+  (PaLM, no causal discount) + the ring's 2 h S recompute, over cp ranks, at its 10 GFLOP/s, plus the
+  ring's exposed part (ring bytes at its 2 GB/s intra-node tier, overlapped with that compute).
 The CP=1 row also shows torch's own SDPA (the CPU flash kernel) as the single-rank peer.
 """
 
@@ -30,6 +34,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench._common import machine, median, spawn, table
+from service.planner import get_gpu
+from service.planner.costmodel import OVERLAP_SLOWDOWN
+from service.planner.formulas import activation_bytes_per_layer, cp_ring_bytes_per_layer
 from training.context_parallel import ring_attention, shard_sequence
 
 
@@ -112,15 +119,28 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, float]:
 
 
 def _predictions(cfg: dict[str, Any], cp: int) -> dict[str, float]:
-    b, s_loc, d, hq, hkv = cfg["batch"], cfg["seq"] // cp, cfg["head_dim"], cfg["heads"], cfg["kv_heads"]
-    fp32 = 4
+    b, s, d, hq, hkv = cfg["batch"], cfg["seq"], cfg["head_dim"], cfg["heads"], cfg["kv_heads"]
+    s_loc, fp32 = s // cp, 4
     q_bytes, kv_local = b * hq * s_loc * d * fp32, 2 * b * hkv * s_loc * d * fp32
     lse = b * hq * s_loc * fp32
+    h = hq * d
+    # The planner (service/planner): ring bytes, activation scaling, and time on its cpu-virtual device.
+    ring = cp_ring_bytes_per_layer(kv_local, cp, grad_bytes_ratio=1.0)  # fp32 activations
+    act_ratio = activation_bytes_per_layer(s_loc, b, h, hq, ring_attention=True) / activation_bytes_per_layer(
+        s, b, h, hq, ring_attention=True
+    )
+    gpu = get_gpu("cpu-virtual")
+    flops = b * s_loc * (12.0 * h * s + (2.0 * h * s if cp > 1 else 0.0))
+    compute = flops / (gpu.peak_flops * gpu.compute_efficiency)
+    ring_t = ring / gpu.nvlink_bw + (2 * cp - 1) * gpu.intra_latency_s if cp > 1 else 0.0
+    predicted_s = compute + max(0.0, ring_t - compute) + OVERLAP_SLOWDOWN * min(ring_t, compute)
     return {
         "saved": 2 * q_bytes + kv_local + lse,  # q, out, k + v, lse
         "fwd": (cp - 1) * kv_local,
         "bwd": (cp - 1) * kv_local + (cp * kv_local if cp > 1 else 0),  # dK/dV accumulators in fp32
-        "planner": 3 * (cp - 1) * kv_local,  # service/planner/costmodel.py (per layer, fwd + bwd)
+        "planner": ring,
+        "act_ratio": act_ratio,
+        "time": predicted_s,
     }
 
 
@@ -161,20 +181,27 @@ def main() -> None:
         v,
         args.steps,
     )
-    rows.append(["torch SDPA (1 rank)", sdpa["wall"], sdpa["cpu"], sdpa["saved"] / mib, "-", "-", "-", "-"])
+    rows.append(
+        ["torch SDPA (1 rank)", sdpa["wall"], sdpa["cpu"], "-", sdpa["saved"] / mib, "-", "-", "-", "-", "-"]
+    )
+    saved_1: float | None = None
     for cp in (int(c) for c in args.cps.split(",")):
         res = spawn(cp, _worker, (cfg,))
         pred = _predictions(cfg, cp)
+        saved_1 = res["saved"] if cp == 1 else saved_1
+        ratio = f"{res['saved'] / saved_1:.3f} / {pred['act_ratio']:.3f}" if saved_1 else "-"
         rows.append(
             [
                 f"ring CP={cp}",
                 res["wall"],
                 res["cpu"],
-                res["saved"] / mib,
-                pred["saved"] / mib,
+                f"{pred['time']:.3f}",
+                f"{res['saved'] / mib:.3f} / {pred['saved'] / mib:.3f}",
+                ratio,
                 f"{res['fwd'] / mib:.2f} / {pred['fwd'] / mib:.2f}",
                 f"{res['bwd'] / mib:.2f} / {pred['bwd'] / mib:.2f}",
                 f"{(res['fwd'] + res['bwd']) / mib:.2f} / {pred['planner'] / mib:.2f}",
+                f"{res['cpu'] / pred['time']:.2f}",
             ]
         )
     print(
@@ -183,14 +210,20 @@ def main() -> None:
                 "attention fwd+bwd",
                 "step s",
                 "cpu s",
-                "saved MiB",
-                "predicted MiB",
+                "planner s",
+                "saved MiB meas/pred",
+                "act vs CP=1 meas/planner",
                 "ring fwd MiB meas/pred",
                 "ring bwd MiB meas/pred",
-                "ring total MiB meas/planner",
+                "ring MiB meas/planner",
+                "cpu s / planner s",
             ],
             rows,
         )
+    )
+    print(
+        "# planner s: service.planner's prediction on its cpu-virtual device (10 GFLOP/s achieved, 2 GB/s"
+        " intra-node), no causal discount; cpu s / planner s is the calibration error of that device."
     )
 
 

@@ -149,15 +149,17 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
 
 def run_ray_train(cfg_dict: dict[str, Any], warmup: int, workdir: Path) -> Measure:
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     out_file = workdir / "raytrain.json"
     trainer = TorchTrainer(
         _ray_train_loop,
         train_loop_config={"cfg": cfg_dict, "out": str(out_file)},
+        # One (virtual) GPU per worker like Lattice's ranks; gloo because the GPUs are virtual.
         scaling_config=ScalingConfig(
-            num_workers=8, use_gpu=False, resources_per_worker={"CPU": 0.1, "GPU": 1}
+            num_workers=8, use_gpu=True, resources_per_worker={"CPU": 0.1, "GPU": 1}
         ),
+        torch_config=TorchConfig(backend="gloo"),
         run_config=RunConfig(name="lattice-overhead", storage_path=str(workdir / "ray_results")),
     )
     t0 = time.time()
@@ -188,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lattice = run_lattice(spec, runtime, args.warmup)
         results.append(lattice)
+        print(lattice, flush=True)
         plan_layout = _plan_layout(runtime)
         cfg = JobSpec.model_validate(spec).to_run_config(Layout.from_dict(plan_layout), None)
         # The same run with checkpoints in a fresh directory (the same saves as under Lattice).
@@ -198,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(run_direct(cfg_dict, args.warmup))
             else:
                 results.append(run_ray_train(cfg_dict, args.warmup, workdir))
+            print(results[-1], flush=True)
     finally:
         runtime.stop()
     report(results, spec, plan_layout, args.warmup)

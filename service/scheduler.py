@@ -398,6 +398,10 @@ class Scheduler:
             s.refresh(job)
             if JobState(job.state).terminal:
                 return
+            if JobState(job.state) in (JobState.PENDING, JobState.QUEUED):
+                # It held no GPUs (its controller was waiting for capacity): the queue starts it again.
+                store.append_event(s, job_id, "controller_lost", {"reason": why})
+                return
             recoveries = self._count_events(s, job_id, ("recover",))
             if recoveries >= MAX_CONTROLLER_RECOVERIES:
                 store.transition(s, job_id, JobState.FAILED,

@@ -33,13 +33,16 @@ MAX_LOSSES_IN_RESULT = 1000
 def job_transition_path(current: JobState, target: JobState) -> list[JobState]:
     """The legal store transitions that take a job from `current` to the controller's `target`.
 
-    A recovering job stays recovering while its new ranks are placed and started (the controller
-    reports `starting` then); otherwise the shortest legal path (queued -> starting -> running, a
-    job that finished between two polls: starting -> running -> succeeded)."""
+    The controller reports `starting` while it places and starts ranks; the store's `starting`
+    is set by the scheduler when it launches the controller, so `starting` from the controller
+    never moves a job back: a queued job (its controller retrying placement) stays queued, a
+    recovering one stays recovering, and a running one (whose restart fell between two polls)
+    becomes recovering. Otherwise the shortest legal path (queued -> starting -> running; a job
+    that finished between two polls: starting -> running -> succeeded)."""
     if current == target or current.terminal:
         return []
-    if current == JobState.RECOVERING and target == JobState.STARTING:
-        return []
+    if target == JobState.STARTING:
+        return [JobState.RECOVERING] if current == JobState.RUNNING else []
     seen = {current}
     queue: deque[tuple[JobState, list[JobState]]] = deque([(current, [])])
     while queue:
@@ -77,6 +80,11 @@ def store_controller_event(s: Session, job: Job, event: Mapping[str, Any]) -> No
         step = (event.get("failure") or {}).get("step")
         if isinstance(step, int):
             _mark_checkpoint(s, job.id, step, False)  # a damaged checkpoint is never restored
+    elif kind == "replanned" and isinstance(event.get("new_layout"), dict) and job.plan:
+        # The controller re-planned for the capacity left; a later recovery must use the new layout.
+        plan = {**job.plan, "layout": event["new_layout"], "replanned_from": event.get("old_layout")}
+        store.set_plan(s, job.id, plan, reason=str(event.get("message") or "replanned by the controller"))
+        s.refresh(job)
     elif kind in ("node_suspect", "node_quarantined") and event.get("node"):
         _record_node_fault(s, str(event["node"]), quarantine=kind == "node_quarantined",
                            fault=f"job {job.id}: {event.get('message', kind)}")

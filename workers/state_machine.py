@@ -44,7 +44,6 @@ from workers.faults import normalize_faults
 from workers.placement import PlacementError, place
 from workers.policies import (
     Failure,
-    FailureAction,
     FailureKind,
     FailurePolicy,
     HoldLayoutPolicy,
@@ -53,6 +52,7 @@ from workers.policies import (
     ScalingPolicy,
 )
 from workers.rank import DEFAULT_TRAIN_FN
+from workers.recovery import FaultHandling
 from workers.worker_group import GroupStatus, WorkerGroup, WorkerGroupError
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class ControllerOptions:
     failure_grace_s: float = 5.0  # ranks failed while others are unresponsive: wait this long to blame
 
 
-class ControllerStateMachine:
+class ControllerStateMachine(FaultHandling):
     def __init__(
         self,
         job_id: str,
@@ -264,55 +264,6 @@ class ControllerStateMachine:
                 continue
             view[n] = h
         return view
-
-    def report(self, rank: int, event: Mapping[str, Any]) -> None:
-        """An event a rank sent directly (e.g. just before it kills itself); read with the next poll."""
-        with self._lock:
-            self._inbox.append((rank, dict(event)))
-
-    def inject(self, fault: Mapping[str, Any]) -> None:
-        """Add a fault while the job runs (POST /v1/jobs/{id}/faults)."""
-        (f,) = normalize_faults([dict(fault)])
-        with self._lock:
-            self._pending_faults.append(f)
-        if self.state in (ControllerState.RUNNING, ControllerState.CHECKPOINTING):
-            params = {k: v for k, v in f.items() if k not in ("kind", "rank", "at_step")}
-            self.wg.inject_fault(f["kind"], int(f.get("rank") or 0), f["at_step"], **params)
-
-    def trigger(self, rank: int, fault: Mapping[str, Any]) -> str:
-        """Carry out a controller-side fault a rank reached (kill_node, corrupt_checkpoint); called
-        from the rank, which waits (a kill_node of its own node never returns to it)."""
-        kind, step = fault.get("kind"), fault.get("step")
-        with self._lock:
-            self._pending_faults = [f for f in self._pending_faults
-                                    if (f.get("kind"), int(f.get("rank") or 0)) != (kind, rank)]
-            self._fired.add((kind, rank, fault.get("phase", "step")))
-        self.clock.fault(self._wall())
-        if kind == "corrupt_checkpoint":
-            path = str(fault.get("path") or "")
-            if self._ckpt_ops is None or not path:
-                raise RuntimeError("no checkpoint to damage")
-            damaged = self._ckpt_ops.corrupt(path, fault.get("which", "any"), fault.get("mode", "flip"))
-            self._event("fault_injected", f"corrupt_checkpoint: damaged {damaged} of the checkpoint of "
-                        f"step {step}", fault=kind, step=step, path=path, file=damaged, rank=rank)
-            return damaged
-        if kind != "kill_node":
-            raise ValueError(f"{kind} is not a controller-side fault")
-        node = fault.get("node") or self._rank_node.get(rank)
-        if not node:
-            raise RuntimeError(f"kill_node: rank {rank}'s node is unknown")
-        self._event("fault_injected", f"kill_node: removing node {node} at step {step}", fault=kind,
-                    node=node, step=step, phase=fault.get("phase", "step"), rank=rank)
-        try:
-            if self._node_killer is None:
-                raise RuntimeError("no node killer")
-            self._node_killer(node)
-        except Exception as e:  # noqa: BLE001 - fall back to a simulated death of the node
-            self._dead_nodes.add(node)
-            killed = self.wg.kill_ranks_on_node(node)
-            self._event("fault_note", f"no cluster owner removed {node} ({e}); killed its ranks {killed} "
-                        "and marked it dead", node=node)
-        return node
 
     def _on_placing(self) -> Transition:
         if self._placing_since is None:
@@ -492,10 +443,12 @@ class ControllerStateMachine:
                     self._ckpt_open = step
             elif kind == "collective":
                 step = int(ev.get("step", 0))
-                self._markers[rank] = (step, 1)
-                found = self.straggler.arrive(step, rank, float(ev.get("t", now)))
-                if found is not None and self._straggler is None:
-                    self._straggler = found
+                entered = ev.get("name") == "checkpoint"
+                self._markers[rank] = (step, 2 if entered else 1)
+                if not entered:
+                    found = self.straggler.arrive(step, rank, float(ev.get("t", now)))
+                    if found is not None and self._straggler is None:
+                        self._straggler = found
             elif kind == "checkpoint":
                 step = int(ev["step"])
                 saved = self._ckpt_saved.setdefault(step, set())
@@ -522,82 +475,6 @@ class ControllerStateMachine:
             elif kind == "started" and rank == 0:
                 self._event("rendezvous", f"process group up ({ev.get('backend')} on {ev.get('device')})",
                             backend=ev.get("backend"), device=ev.get("device"))
-
-    def _on_fault_fired(self, rank: int, ev: Mapping[str, Any]) -> None:
-        fault, at = ev.get("fault"), ev.get("step")
-        key = (fault, rank, ev.get("phase", "step"))
-        if key in self._fired:
-            return  # the controller heard it directly before the rank died, then from the rank
-        self._fired.add(key)
-        self._pending_faults = [
-            f for f in self._pending_faults if (f.get("kind"), f.get("rank")) != (fault, rank)
-        ]
-        self.clock.fault(float(ev.get("t_fault") or ev.get("t") or self._wall()))
-        extra = {k: ev[k] for k in ("target", "name", "index", "bit", "seconds", "phase") if k in ev}
-        self._event("fault_injected", f"{fault} on rank {rank} at step {at}",
-                    rank=rank, node=self._rank_node.get(rank), fault=fault, step=at, **extra)
-
-    def _on_restored(self, step: Any) -> None:
-        self._restored_seen = True
-        restored = int(step) if isinstance(step, int) else 0
-        reached = self._reached
-        dropped = self.data.rollback(restored)
-        if reached is not None:
-            lost = max(reached - restored, 0)
-            self.clock.lost(lost)
-            self._event("restore", f"restored the verified checkpoint of step {restored}; "
-                        f"{lost} step(s) lost", step=restored, steps_lost=lost,
-                        verified=sorted(self.ckpts.verified), corrupt=sorted(self.ckpts.corrupt))
-            self._reached = None
-        elif dropped:
-            self.clock.lost(dropped)
-        self.progress["step"] = restored
-        self._attempt_step = restored
-
-    def _on_checkpoint_committed(self, step: int, path: str) -> None:
-        self.ckpts.committed[step] = path
-        self._scrub(step, path)
-
-    def _scrub(self, step: int, path: str) -> bool:
-        """Check a committed checkpoint against its manifest; a damaged one is never restored."""
-        ops = self._ckpt_ops
-        if ops is None or not path or step in self.ckpts.corrupt or step in self._scrubbed:
-            return step not in self.ckpts.corrupt
-        self._scrubbed.add(step)
-        try:
-            ops.verify(path)
-        except Exception as e:  # noqa: BLE001 - any verification failure makes the checkpoint unusable
-            why = str(e)
-            self.ckpts.mark_corrupt(step, why)
-            incident = self.clock.detected("checkpoint", self._wall())
-            self._event("failure", f"checkpoint of step {step} does not verify: {why}",
-                        failure=Failure(FailureKind.CHECKPOINT, why, step=step,
-                                        evidence={"path": path}).to_dict(),
-                        detected_by="manifest verification", time_to_detect_s=incident["time_to_detect_s"])
-            self._event("attributed", f"checkpoint of step {step} is damaged; it will never be restored",
-                        step=step, path=path, cause="checkpoint", evidence={"manifest": why})
-            incident["time_to_recover_s"] = 0.0
-            self.clock.fault_t = self.clock.detect_t = None
-            if self.state in (ControllerState.RUNNING, ControllerState.CHECKPOINTING):
-                self.wg.request_action("checkpoint")  # replace it with a good one at the next step
-            return False
-        self._event("checkpoint_verified", f"checkpoint of step {step} verifies against its manifest",
-                    step=step, verified=step in self.ckpts.verified)
-        return True
-
-    def _scrub_candidates(self) -> None:
-        """Before a restart: verify the checkpoints it could restore, newest first, until one is good
-        (a rank that died may never have reported its part of the last save)."""
-        ops, root = self._ckpt_ops, self.run_cfg.checkpoint.dir
-        if ops is None or not root or not hasattr(ops, "list"):
-            return
-        allowed = self.ckpts.restore_steps()
-        for step in sorted(ops.list(root), reverse=True):
-            if allowed is not None and step not in allowed:
-                continue
-            self.ckpts.committed.setdefault(step, f"{root}/step-{step}")
-            if self._scrub(step, self.ckpts.committed[step]):
-                return
 
     def _on_step_event(self, rank: int, ev: Mapping[str, Any]) -> None:
         step = ev.get("step")
@@ -667,46 +544,6 @@ class ControllerStateMachine:
                            (rank,), self._nodes([rank]), step, evidence=found)
         return None
 
-    def _node_gone(self, rank: int) -> bool:
-        node = self._rank_node.get(rank)
-        return bool(node) and (node in self._dead_nodes or not self.wg.node_alive(node))
-
-    def _death(self, ranks: list[int], status: GroupStatus, step: Any) -> Failure:
-        nodes = self._nodes(ranks)
-        gone = [n for n in nodes if n in self._dead_nodes or not self.wg.node_alive(n)]
-        errors = {r: status.ranks[r].error for r in ranks}
-        if gone:
-            on_gone = tuple(r for r in ranks if self._rank_node.get(r) in gone)
-            return Failure(FailureKind.NODE_DIED, f"node(s) {gone} died with rank(s) {list(on_gone)}",
-                           on_gone, tuple(gone), step, evidence={"errors": errors})
-        return Failure(FailureKind.RANK_DIED, f"rank(s) {ranks} died: {status.ranks[ranks[0]].error}",
-                       tuple(ranks), nodes, step, evidence={"errors": errors})
-
-    def _hang(self, stale: list[int], status: GroupStatus, step: Any) -> Failure:
-        # Everyone waits in the collective the hung rank never joined: the culprits are the ranks
-        # whose last report is furthest behind ((step, entered the collective)), then the ones
-        # that stopped earliest (lowest step, then longest silence).
-        markers = {r: self._markers.get(r) for r in stale}
-        evidence: dict[str, Any] = {"stale_ranks": stale,
-                                    "last_report": {str(r): m for r, m in markers.items()}}
-        known = {r: m for r, m in markers.items() if m is not None}
-        if len(known) == len(stale) and len(set(known.values())) > 1:
-            low = min(known.values())
-            culprits = sorted(r for r, m in known.items() if m == low)
-            waiting = sorted(r for r, m in known.items() if m != low)
-            evidence["waiting_in_collective"] = waiting
-            longest = max(status.ranks[r].since_progress_s for r in culprits)
-            return Failure(FailureKind.HANG, f"rank(s) {culprits} never entered the step-{low[0]} collective "
-                           f"that rank(s) {waiting} wait in ({longest:.0f}s)", tuple(culprits),
-                           self._nodes(culprits), step, evidence=evidence)
-        low_step = min((status.ranks[r].step or 0) for r in stale)
-        behind = [r for r in stale if (status.ranks[r].step or 0) == low_step]
-        longest = max(status.ranks[r].since_progress_s for r in behind)
-        culprits = sorted(r for r in behind if status.ranks[r].since_progress_s >= longest - 1.0)
-        return Failure(FailureKind.HANG, f"no progress from rank(s) {culprits} for {longest:.0f}s "
-                       f"(timeout {self._progress_timeout(True):.0f}s)", tuple(culprits),
-                       self._nodes(culprits), step, evidence=evidence)
-
     def _progress_timeout(self, stepped: bool) -> float:
         o = self.options
         if not stepped:
@@ -718,72 +555,6 @@ class ControllerStateMachine:
 
     def _nodes(self, ranks: Collection[int]) -> tuple[str, ...]:
         return tuple(sorted({self._rank_node[r] for r in ranks if r in self._rank_node}))
-
-    def _on_failure(self, failure: Failure) -> Transition | None:
-        self._failure = failure
-        if failure.kind == FailureKind.STRAGGLER and self.options.straggler_action == "report":
-            self._event("straggler", failure.message, failure=failure.to_dict())
-            for n in failure.nodes:
-                self._mark_node(n, failure)
-            return None
-        incident = self.clock.detected(str(failure.kind), self._wall())
-        self._reached = self._attempt_step or (self.progress["step"] or 0)
-        detector = _DETECTORS.get(failure.kind, str(failure.kind))
-        self._event("failure", failure.message, failure=failure.to_dict(), detected_by=detector,
-                    time_to_detect_s=incident["time_to_detect_s"])
-        decision = self.failure_policy.decide(failure, self.restarts)
-        if failure.ranks or failure.nodes:
-            transient = failure.evidence.get("evidence", {}).get("transient") if failure.evidence else None
-            self._event("attributed", f"{failure.kind} attributed to rank(s) {list(failure.ranks)} on "
-                        f"node(s) {list(failure.nodes)}", ranks=list(failure.ranks),
-                        nodes=list(failure.nodes), cause=str(failure.kind), evidence=failure.evidence,
-                        transient=transient)
-        quarantine = set(decision.quarantine_nodes)
-        for n in sorted(set(decision.suspect_nodes) | quarantine | set(failure.nodes)):
-            if failure.kind == FailureKind.STARTUP and n not in quarantine:
-                continue
-            self._mark_node(n, failure, quarantine=n in quarantine,
-                            dead=failure.kind == FailureKind.NODE_DIED and n in failure.nodes)
-        if decision.action == FailureAction.RAISE:
-            return self.fail(decision.reason)
-        self._exclude = set(decision.exclude_nodes)
-        if failure.kind == FailureKind.STRAGGLER:
-            self._exclude |= set(failure.nodes)
-        self._fast_ranks = self._fast_path_ranks(failure)
-        return self._to(ControllerState.RECOVERING, decision.reason)
-
-    def _mark_node(
-        self, node: str, failure: Failure, *, quarantine: bool = False, dead: bool = False
-    ) -> None:
-        new = self.nodes.record(node, quarantine=quarantine, dead=dead)
-        if new is None:
-            return
-        kind = {"suspect": "node_suspect", "quarantined": "node_quarantined", "dead": "node_dead"}[new]
-        count = self.nodes.faults[node]
-        why = str(failure.kind)
-        if quarantine:
-            why = "confirmed SDC"
-        elif new == "quarantined":
-            why = f"{count} fault(s)"
-        self._event(kind, f"node {node} is {new} after {why}", node=node, health=new, faults=count,
-                    cause=str(failure.kind))
-
-    def _fast_path_ranks(self, failure: Failure) -> list[int]:
-        """Ranks to replace in place, or [] for a full restart."""
-        if not self.options.fast_path or failure.kind not in (FailureKind.RANK_DIED, FailureKind.HANG):
-            return []
-        bad = self.nodes.in_state("quarantined", "dead") | self._exclude | set(self._cordoned)
-        if not failure.ranks or any(n in bad for n in failure.nodes):
-            return []
-        return sorted(failure.ranks)
-
-    @property
-    def suspect_nodes(self) -> list[str]:
-        return sorted(self.nodes.in_state("suspect"))
-
-    @property
-    def quarantined_nodes(self) -> list[str]:
-        return sorted(self.nodes.in_state("quarantined"))
 
     def _final_result(self, status: GroupStatus) -> dict[str, Any]:
         results = {r: s.result or {} for r, s in status.ranks.items()}
@@ -800,24 +571,6 @@ class ControllerStateMachine:
             "layout": self.run_cfg.layout.to_dict(),
             "data_positions": self.data.summary(),
             "faults": self.fault_stats(),
-        }
-
-    def fault_stats(self) -> dict[str, Any]:
-        """What the service turns into fault-tolerance metrics (restarts by cause, time to detect
-        and to recover per incident, steps lost, goodput, SDC detections, node health)."""
-        wall = max(self._wall() - self._started_wall, 1e-9)
-        return {
-            "restarts_by_cause": dict(self.clock.restarts_by_cause),
-            "incidents": [dict(i) for i in self.clock.incidents],
-            "steps_lost": self.clock.steps_lost,
-            "sdc_detections": self.clock.sdc_detections,
-            "useful_step_seconds": round(self.data.useful_seconds(), 4),
-            "wall_seconds": round(wall, 3),
-            "goodput": round(min(self.data.useful_seconds() / wall, 1.0), 4),
-            "node_health": dict(self.nodes.health),
-            "node_faults": dict(self.nodes.faults),
-            "verified_steps": sorted(self.ckpts.verified),
-            "corrupt_steps": sorted(self.ckpts.corrupt),
         }
 
     # ---- the event log and what the service reads ----------------------------------------------------
@@ -861,15 +614,3 @@ class ControllerStateMachine:
                 "node_health": dict(self.nodes.health),
                 "faults": self.fault_stats(),
             }
-
-
-_DETECTORS = {
-    FailureKind.RANK_DIED: "actor death (ActorDiedError)",
-    FailureKind.NODE_DIED: "node death (the node left the cluster; its actors died)",
-    FailureKind.HANG: "heartbeat timeout",
-    FailureKind.STRAGGLER: "collective arrival times",
-    FailureKind.SDC: "integrity checks (fingerprint vote / re-run, local gradient norm, NaN/Inf, loss spike)",
-    FailureKind.RANK_ERROR: "rank error",
-    FailureKind.STARTUP: "startup",
-    FailureKind.CHECKPOINT: "manifest verification",
-}

@@ -248,11 +248,16 @@ class Micro:
         else:
             self.cp_bytes, self.t_cp = 0.0, 0.0
         # EP: dispatch and combine all-to-alls, forward and backward, in the MoE share of the layers
-        # (formulas.ep_all_to_all_bytes_per_layer); not overlapped (they sit between router and experts).
+        # (formulas.ep_all_to_all_bytes_per_layer). They sit between the router and the experts of one
+        # micro-batch, so they overlap only with another micro-batch's compute: DualPipe (DeepSeek-AI
+        # 2024, Sec. 3.2.1) and Megatron-Core's 1F1B all-to-all overlap pair a forward chunk with a
+        # backward chunk; charged like the CP ring (exposed part + OVERLAP_SLOWDOWN of the hidden part).
         if env.is_moe and fam.ep > 1:
             frac = env.counts.moe_fraction
             self.ep_bytes = frac * ep_all_to_all_bytes_per_layer(tokens / tp, m.top_k, h, fam.ep)
-            self.t_ep = self.ep_bytes / fam.ep_tier.bw + frac * 4 * (fam.ep - 1) * fam.ep_tier.latency
+            a2a = self.ep_bytes / fam.ep_tier.bw + frac * 4 * (fam.ep - 1) * fam.ep_tier.latency
+            window = self.t_compute_plain
+            self.t_ep = max(0.0, a2a - window) + OVERLAP_SLOWDOWN * min(a2a, window)
         else:
             self.ep_bytes, self.t_ep = 0.0, 0.0
         self.t_layer = self.t_compute + self.t_tp + self.t_cp + self.t_ep

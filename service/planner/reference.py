@@ -6,6 +6,7 @@ finds the same best step time, and to measure how much the hoisting and pruning 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 
 from service.planner.costmodel import Env
@@ -30,7 +31,8 @@ def valid_layouts(
     zero_stages: Sequence[int] = (0, 1, 2, 3),
     schedules: Sequence[str] = DEFAULT_SCHEDULES,
 ) -> Iterator[Layout]:
-    """Every layout the search's rules allow (dense models), in no particular order."""
+    """Every layout the search's rules allow (MoE models: every ep dividing the experts and dp x cp),
+    in no particular order."""
     n, gpn, rack = cluster.num_gpus, cluster.gpn, cluster.rack_size
     s, g = train.seq_len, train.global_batch
     for tp in _divisors(gpn):
@@ -45,19 +47,21 @@ def valid_layouts(
                 dp = n // (tp * cp * pp)
                 if pp > model.layers or dp > g or g % dp:
                     continue
-                for mbs in _divisors(g // dp):
-                    if mbs > MAX_MICRO_BATCH:
-                        continue
-                    m = g // dp // mbs
-                    for schedule, v in _schedule_options(pp, m, model.layers, schedules):
-                        for sp in (True, False) if tp > 1 else (False,):
-                            for rc in RECOMPUTE:
-                                for z in zero_stages:
-                                    yield Layout(
-                                        tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=z, micro_batch_size=mbs,
-                                        num_microbatches=m, schedule=schedule, sequence_parallel=sp,
-                                        recompute=rc, virtual_stages=v,
-                                    )  # fmt: skip
+                eps = _divisors(math.gcd(model.num_experts, dp * cp)) if model.is_moe else [1]
+                for ep in eps:
+                    for mbs in _divisors(g // dp):
+                        if mbs > MAX_MICRO_BATCH:
+                            continue
+                        m = g // dp // mbs
+                        for schedule, v in _schedule_options(pp, m, model.layers, schedules):
+                            for sp in (True, False) if tp > 1 else (False,):
+                                for rc in RECOMPUTE:
+                                    for z in zero_stages:
+                                        yield Layout(
+                                            tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=z,
+                                            micro_batch_size=mbs, num_microbatches=m, schedule=schedule,
+                                            sequence_parallel=sp, recompute=rc, virtual_stages=v,
+                                        )  # fmt: skip
 
 
 def reference_best(

@@ -428,6 +428,18 @@ def _explain(env: Env, d: Detail, p: Plan, search: _Search, zs: Sequence[int]) -
             f"{d.bubble:.1%} with m={lay.num_microbatches}"
             + (f", v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
         )
+    if lay.cp > 1:
+        out.append(
+            f"cp={lay.cp} splits each {env.s}-token sequence ({env.s // lay.cp} tokens per rank): "
+            f"ring attention on the {d.tiers['cp']} tier, {fmt_bytes(d.comm['cp'])} per GPU per step, "
+            f"{d.time_s['cp'] * 1e3:.3g} ms not hidden behind attention"
+        )
+    if lay.ep > 1:
+        out.append(
+            f"ep={lay.ep} splits the {env.model.num_experts} experts "
+            f"({env.model.num_experts // lay.ep} per GPU): all-to-all on the {d.tiers['ep']} tier, "
+            f"{fmt_bytes(d.comm['ep'])} per GPU per step, {d.time_s['ep'] * 1e3:.3g} ms exposed"
+        )
     if lay.dp * lay.cp > 1:
         out.append(
             f"dp={lay.dp} gradient traffic crosses the {d.tiers['dp']} tier, "

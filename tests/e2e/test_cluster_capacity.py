@@ -6,6 +6,7 @@ a job can be held busy cheaply; placement, reservation, cancel and the store are
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -90,7 +91,9 @@ def test_capacity_priority_cancel_and_cordoned_nodes(svc: LiveService) -> None:
     b, lo, hi = svc.job(busy["id"]), done[low["id"]], done[high["id"]]
     assert lo["state"] == hi["state"] == "succeeded"
     # the cancelled job's GPUs went to the higher priority job first; the two never overlapped
-    assert b["finished_at"] <= hi["started_at"] < hi["finished_at"] <= lo["started_at"]
+    busy_end = datetime.fromisoformat(b["finished_at"])
+    hi_start, hi_end = datetime.fromisoformat(hi["started_at"]), datetime.fromisoformat(hi["finished_at"])
+    assert busy_end <= hi_start < hi_end <= datetime.fromisoformat(lo["started_at"])
     for j in (b, lo, hi):
         assert {r["node_name"] for r in j["placement"]} == {"r1-n1"}  # cordoned nodes got no ranks
     events = svc.events(low["id"])

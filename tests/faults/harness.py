@@ -32,7 +32,7 @@ def job_cfg(ckpt_dir: str, layout: Layout | None = None, steps: int = STEPS, eve
 
 def options(*faults: dict[str, Any], **kw: Any) -> ControllerOptions:
     base = {"poll_interval_s": 0.2, "hang_timeout_s": 4.0, "startup_timeout_s": 120.0,
-            "failure_grace_s": 3.0, "rank_poll_timeout_s": 5.0}
+            "failure_grace_s": 3.0, "rank_poll_timeout_s": 5.0, "checkpoint_timeout_s": 8.0}
     return ControllerOptions(faults=tuple(faults), **{**base, **kw})
 
 

@@ -215,7 +215,9 @@ def test_a_killed_rank_is_detected_and_the_job_resumes_from_its_checkpoint(ray_c
     wait_for_free_gpus(16)
     cfg = RunConfig(model=SPEC, layout=Layout(dp=2), steps=4,
                     checkpoint=CheckpointConfig(dir=str(tmp_path / "ckpt"), every_steps=2))
-    options = ControllerOptions(poll_interval_s=0.2, faults=({"kind": "kill_rank", "rank": 1, "at_step": 3},))
+    # fast_path=False: re-place every rank (the fast path would keep the group and refill the slot).
+    options = ControllerOptions(poll_interval_s=0.2, fast_path=False,
+                                faults=({"kind": "kill_rank", "rank": 1, "at_step": 3},))
     handle = start_controller("killed", cfg, options=options)
     try:
         snap = poll_until(handle, lambda s: s["terminal"], 240)

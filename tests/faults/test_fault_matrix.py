@@ -1,0 +1,148 @@
+"""The seeded fault matrix of issue 6 (`make test-faults`): every fault kind x {early, mid-run,
+during a checkpoint save}, plus the replicas' majority vote (DP 3), a harmful gradient bit flip
+(exponent, > 2^10), a replan when a node's loss leaves too little capacity, and a spent restart
+budget. Killing the service is the scheduler's reattach test (tests/e2e)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.faults.harness import (
+    EVERY,
+    assert_in_order,
+    assert_kept_off,
+    assert_succeeded_like_fault_free,
+    events,
+    fault_free_digest,
+    job_cfg,
+    options,
+    run_job,
+    wait_for_free_gpus,
+)
+from training.layout import Layout
+from workers.placement import place, release, reserve
+from workers.policies import ReplanPolicy, RestartPolicy, keep_global_batch_replanner
+from workers.topology import Topology
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+SEED = 6
+TIMINGS = {"early": 1, "mid": 3, "checkpoint": EVERY}
+KINDS = ("kill_rank", "kill_node", "hang_rank", "slow_rank", "bitflip", "corrupt_checkpoint")
+CASES = [(k, t) for k in KINDS for t in TIMINGS]
+
+
+def _fault(kind: str, timing: str, rng: random.Random) -> list[dict]:
+    at = TIMINGS[timing]
+    phase = {"phase": "checkpoint"} if timing == "checkpoint" and kind != "bitflip" else {}
+    rank = rng.randrange(2)
+    if kind == "bitflip":
+        # Harmful: the top exponent bit of a weight (x 2^128) on one replica, or of a local gradient.
+        target = "grad" if timing == "mid" else "param"
+        return [{"kind": kind, "rank": rank, "at_step": max(at, 4 if target == "grad" else at),
+                 "target": target, "bit": 30, "index": rng.randrange(1024)}]
+    if kind == "corrupt_checkpoint":  # then a death, so that a restore has to skip it
+        return [{"kind": kind, "at_step": max(at, EVERY)}, {"kind": "kill_rank", "rank": rank, "at_step": 5}]
+    if kind == "slow_rank":
+        return [{"kind": kind, "rank": rank, "at_step": at, "seconds": 1.0, **phase}]
+    return [{"kind": kind, "rank": rank, "at_step": at, **phase}]
+
+
+@pytest.fixture(autouse=True)
+def _free_cluster(ray_cluster):
+    wait_for_free_gpus(16)
+    yield
+
+
+@pytest.mark.parametrize(("kind", "timing"), CASES, ids=[f"{k}-{t}" for k, t in CASES])
+def test_matrix(kind, timing, tmp_path, revive_nodes):
+    rng = random.Random(f"{SEED}-{kind}-{timing}")
+    faults = _fault(kind, timing, rng)
+    cfg = job_cfg(str(tmp_path / "ckpt"))
+    snap = run_job(f"fm-{kind}-{timing}".replace("_", "-"), cfg, options(*faults, straggler_steps=2,
+                                                                         straggler_lag_s=0.5))
+    assert_succeeded_like_fault_free(snap, cfg)
+    story = ["fault_injected", "failure", "attributed"]
+    if kind == "corrupt_checkpoint":
+        story += ["fault_injected", "failure", "attributed"]
+    story += {"kill_node": ["node_dead"], "bitflip": ["node_quarantined"]}.get(kind, ["node_suspect"])
+    story += ["restart", "restore", "resumed", "finished"]
+    assert_in_order(snap, story)
+    attributed = [e for e in events(snap, "attributed") if e.get("cause") != "checkpoint"][0]
+    victim = faults[-1].get("rank")
+    if kind not in ("kill_node",):
+        assert attributed["ranks"] == [victim]
+    if kind == "bitflip":
+        assert_kept_off(snap, attributed["nodes"][0], "node_quarantined")
+    if kind == "kill_node":
+        assert_kept_off(snap, attributed["nodes"][0], "node_dead")
+    restore = events(snap, "restore")[0]
+    assert restore["step"] in snap["faults"]["verified_steps"] or restore["step"] == 0
+    assert restore["step"] not in snap["faults"]["corrupt_steps"]
+
+
+def test_majority_vote_names_the_replica_with_dp3(tmp_path):
+    cfg = job_cfg(str(tmp_path / "ckpt"), layout=Layout(dp=3))
+    snap = run_job("fm-vote", cfg, options({"kind": "bitflip", "rank": 2, "at_step": 3, "bit": 27}))
+    assert_succeeded_like_fault_free(snap, cfg)
+    attributed = events(snap, "attributed")[0]
+    assert attributed["ranks"] == [2]
+    assert attributed["evidence"]["evidence"]["ambiguous"] is False  # a strict majority, no re-run
+    assert snap["quarantined_nodes"] == attributed["nodes"]
+
+
+def test_a_budget_spent_fails_the_job_with_the_reason(tmp_path):
+    cfg = job_cfg(str(tmp_path / "ckpt"))
+    kills = [{"kind": "kill_rank", "rank": r, "at_step": s} for r, s in ((1, 2), (0, 4))]
+    snap = run_job("fm-budget", cfg, options(*kills), failure_policy=RestartPolicy(max_restarts=1))
+    assert snap["state"] == "ERRORED"
+    assert "restart budget spent (1 of max_restarts=1)" in snap["reason"]
+
+
+def test_replan_keeps_the_global_batch_and_the_weights(tmp_path, revive_nodes):
+    """Capacity short after a node death: DP 2 -> DP 1 with 2 micro-batches; weights allclose."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    topo = Topology.from_ray()
+    blocker = reserve(place(Layout(dp=3), Topology.from_ray(cordoned=["r1-n1", "r2-n1", "r2-n2"])),
+                      name="fm-replan-blocker", timeout_s=30)  # r1-n2 keeps one free GPU
+    try:
+        cfg = job_cfg(str(tmp_path / "ckpt"), layout=Layout(dp=2))
+        snap = run_job("fm-replan", cfg, options({"kind": "kill_node", "rank": 0, "at_step": 3}),
+                       scaling_policy=ReplanPolicy(replanner=keep_global_batch_replanner),
+                       cordoned=["r2-n1", "r2-n2"])
+    finally:
+        release(blocker)
+    assert topo.gpus_total == 16
+    assert snap["state"] == "FINISHED", snap["reason"]
+    replanned = events(snap, "replanned")[0]
+    assert replanned["diff"] == {"dp": [2, 1], "num_microbatches": [1, 2]} and replanned["global_batch_kept"]
+    assert_in_order(snap, ["fault_injected", "failure", "node_dead", "restart", "replanned", "restore",
+                           "resumed", "finished"])
+    final = torch.load(_to_torch(dcp_to_torch_save, tmp_path / "ckpt" / "step-6", tmp_path / "final.pt"))
+    ref_dir = tmp_path / "ref"
+    _reference(str(ref_dir), cfg.to_dict())
+    ref = torch.load(_to_torch(dcp_to_torch_save, ref_dir / "step-6", tmp_path / "ref.pt"))
+    for name, value in ref["model"].items():
+        torch.testing.assert_close(final["model"][name], value, atol=1e-4, rtol=1e-4)
+    assert fault_free_digest(cfg)  # the reference run itself is the fault-free one
+
+
+def _to_torch(convert, ckpt, out):
+    convert(str(ckpt), str(out))
+    return str(out)
+
+
+def _reference(ckpt_dir: str, cfg_dict: dict) -> None:
+    from dataclasses import replace
+
+    from tests.distributed import run_ranks
+    from tests.faults.harness import _direct_digest
+    from training.config import CheckpointConfig, RunConfig
+
+    cfg = RunConfig.from_dict(cfg_dict)
+    cfg = replace(cfg, checkpoint=CheckpointConfig(dir=ckpt_dir, every_steps=0))
+    run_ranks(cfg.layout.world_size, _direct_digest, (cfg.to_dict(),))
