@@ -32,6 +32,12 @@ Dispatch and combine are `all_to_all_single` with unbalanced split sizes; the sp
 from the per-expert loads, which every rank already has from the one all-gather the capacity rule
 needs (so there is no separate count all-to-all).
 
+Inside the model (training/model.py, training/parallelize.py) a layer is built with all experts
+(on the meta device), then `shard_experts(ep_mesh)` keeps this rank's E/ep of them as DTensors
+Shard(0) over the EP mesh, so checkpoints, digests and gradient clipping see the full expert
+tensors; `reset_parameters(seed)` draws only the experts a rank holds. The forward uses the local
+shards (`_local`), so plain and DTensor parameters behave the same.
+
 Gradients with EP x DP (see docs/context_parallel.md, "MoE"): the router (dense) is replicated on
 every rank: average its gradient over the whole data-parallel world (dp x cp) as usual. Each expert
 shard lives on one rank per EP group and already receives the gradient of every token its group

@@ -104,8 +104,9 @@ def axis_groups(layout: Layout, axis: str) -> list[list[int]]:
     return [sorted(g) for g in groups.values()]
 
 
-def group_spread(layout: Layout, node_of_rank: Sequence[str], rack_of_rank: Sequence[str],
-                 axis: str) -> GroupSpread:
+def group_spread(
+    layout: Layout, node_of_rank: Sequence[str], rack_of_rank: Sequence[str], axis: str
+) -> GroupSpread:
     """How far the groups of one axis are spread over nodes and racks in a placement."""
     groups = axis_groups(layout, axis)
     nodes = max(len({node_of_rank[r] for r in g}) for g in groups)

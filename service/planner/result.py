@@ -91,8 +91,13 @@ def build_detail(stage: Stage, micro: Micro, combo: Combo, z: int, layout: Layou
         "cp": m * layers * micro.cp_bytes,
         "ep": m * layers * micro.ep_bytes,
     }
-    tiers = {"tp": fam.tp_tier.name, "cp": fam.cp_tier.name, "dp": fam.dp_tier.name, "pp": fam.pp_tier.name,
-             "ep": fam.ep_tier.name}
+    tiers = {
+        "tp": fam.tp_tier.name,
+        "cp": fam.cp_tier.name,
+        "dp": fam.dp_tier.name,
+        "pp": fam.pp_tier.name,
+        "ep": fam.ep_tier.name,
+    }
     return Detail(layout, step, memory, time_s, comm, combo.bubble, mem_total <= env.capacity, tiers)
 
 

@@ -36,8 +36,16 @@ CP_JOB: dict[str, Any] = {
 EP_JOB: dict[str, Any] = {
     **BASE,
     "name": "e2e-ep2",
-    "model": {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 16, "num_experts": 4,
-              "top_k": 2, "expert_ffn": 32},
+    "model": {
+        "layers": 2,
+        "hidden": 32,
+        "heads": 4,
+        "vocab": 64,
+        "seq_len": 16,
+        "num_experts": 4,
+        "top_k": 2,
+        "expert_ffn": 32,
+    },
     "parallelism": {"dp": 4, "ep": 2, "zero_stage": 1},
 }
 

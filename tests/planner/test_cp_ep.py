@@ -84,7 +84,14 @@ def test_deepseek_v3_preset_is_close_to_the_paper():
     ds = get_preset("deepseek-v3")
     c = param_counts(ds)
     assert (ds.layers, ds.hidden, ds.heads, ds.num_experts, ds.top_k, ds.expert_ffn, ds.vocab) == (
-        61, 7168, 128, 256, 8, 2048, 129280)
+        61,
+        7168,
+        128,
+        256,
+        8,
+        2048,
+        129280,
+    )
     # DeepSeek-V3 report: 671B total, 37B active; MLA as plain attention, no shared expert (presets.py).
     assert total_params(ds) / 1e9 == pytest.approx(671, rel=0.05)
     assert (ds.layers * c.matmul_active_per_layer + c.embed + c.head) / 1e9 == pytest.approx(37, rel=0.05)
@@ -101,8 +108,10 @@ def test_moe_layer_frequency_averages_the_blocks():
 def test_expert_memory_per_gpu_falls_with_ep():
     mix, train, cluster = get_preset("mixtral-8x7b"), TrainSpec(64, 4096), ClusterSpec(H100, 64)
     base = Layout(dp=64, zero_stage=1, recompute="full")
-    params = {ep: evaluate(mix, train, cluster, base.with_(ep=ep)).memory_per_gpu_bytes["params"]
-              for ep in (1, 2, 8)}
+    params = {
+        ep: evaluate(mix, train, cluster, base.with_(ep=ep)).memory_per_gpu_bytes["params"]
+        for ep in (1, 2, 8)
+    }
     c = param_counts(mix)
     for ep in (2, 8):  # bf16 params: experts / ep, the rest replicated
         assert params[1] - params[ep] == pytest.approx(2 * mix.layers * c.experts * (1 - 1 / ep), rel=1e-9)
@@ -148,8 +157,13 @@ def test_moe_models_split_the_experts_with_ep_not_tp(preset: str, batch: int, gp
     assert p.comm_bytes_per_step["ep"] > 0
     # The same GPUs with the expert split given to TP (the DP replicas that EP spanned become TP ranks).
     assert lay.dp % lay.ep == 0 and lay.tp * lay.ep <= cluster.gpn and m.n_kv_heads % (lay.tp * lay.ep) == 0
-    as_tp = lay.with_(tp=lay.tp * lay.ep, ep=1, dp=lay.dp // lay.ep, sequence_parallel=True,
-                      num_microbatches=lay.num_microbatches * lay.ep)
+    as_tp = lay.with_(
+        tp=lay.tp * lay.ep,
+        ep=1,
+        dp=lay.dp // lay.ep,
+        sequence_parallel=True,
+        num_microbatches=lay.num_microbatches * lay.ep,
+    )
     wide = evaluate(m, train, cluster, as_tp)
     assert not wide.fits or wide.step_time_s > p.step_time_s
 
@@ -206,8 +220,18 @@ def test_every_plan_with_cp_and_ep_satisfies_every_constraint(problem) -> None:
 
 
 def test_pruned_search_finds_the_brute_force_optimum_for_moe():
-    model = ModelSpec(layers=4, hidden=256, heads=4, kv_heads=2, vocab=1000, seq_len=4096,
-                      num_experts=8, top_k=2, expert_ffn=512, name="moe-small")
+    model = ModelSpec(
+        layers=4,
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        vocab=1000,
+        seq_len=4096,
+        num_experts=8,
+        top_k=2,
+        expert_ffn=512,
+        name="moe-small",
+    )
     train, cluster = TrainSpec(16, 4096), ClusterSpec("A100-40GB", 16, 8)
     best, best_t, count = reference_best(model, train, cluster)
     p = plan(model, train, cluster)
