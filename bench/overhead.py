@@ -15,7 +15,7 @@ step over the same steps (which includes the checkpoint saves). Lattice's step t
 polling its API every 50 ms (a step is seen at most ~0.3 s late: the scheduler's and the
 controller's poll intervals), so its time to first step carries that resolution.
 
-    python -m bench.overhead [--steps 30] [--warmup 5]
+    python -m bench.overhead [--steps 30] [--warmup 5] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -58,11 +58,10 @@ def _steady(samples: dict[int, tuple[float, float]], warmup: int) -> tuple[float
 
 
 # ---- 1: Lattice --------------------------------------------------------------------------------------
-def run_lattice(spec: dict[str, Any], runtime: Any, warmup: int) -> Measure:
+def run_lattice(spec: dict[str, Any], url: str, token: str, warmup: int) -> tuple[Measure, dict[str, Any]]:
+    """The job through the service's API; returns the measure and the planned layout."""
     import httpx
 
-    url = runtime.serve_in_thread(0)
-    token = runtime.admin_token or runtime.settings.token_path.read_text().strip()
     tokens_per_step = spec["train"]["global_batch"] * runtime_seq_len(spec)
     samples: dict[int, tuple[float, float]] = {}
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
@@ -80,7 +79,7 @@ def run_lattice(spec: dict[str, Any], runtime: Any, warmup: int) -> Measure:
         raise RuntimeError(f"the Lattice job {job['state']}: {job.get('error')}")
     first = samples[min(samples)][0] - t0
     median, wall = _steady(samples, warmup)
-    return Measure("Lattice", first, median, wall, job["result"]["model_digest"])
+    return Measure("Lattice", first, median, wall, job["result"]["model_digest"]), job["plan"]["layout"]
 
 
 def runtime_seq_len(spec: dict[str, Any]) -> int:
@@ -172,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help="Steps (default: the demo spec's).")
     parser.add_argument("--warmup", type=int, default=5, help="Steps left out of the steady state.")
+    parser.add_argument("--rounds", type=int, default=1, help="Runs of each way; the medians are shown.")
     args = parser.parse_args(argv)
 
     from service.runtime import Runtime
@@ -186,43 +186,52 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(home=workdir / "home", log_level="warning", scheduler_interval_s=0.1,
                         ray_address=None, database_url=None, checkpoint_root=None, token_file=None)
     runtime = Runtime(settings).start()
-    results: list[Measure] = []
+    runs: dict[str, list[Measure]] = {}
+
+    def record(m: Measure) -> None:
+        runs.setdefault(m.name, []).append(m)
+        print(m, flush=True)
+
     try:
-        lattice = run_lattice(spec, runtime, args.warmup)
-        results.append(lattice)
-        print(lattice, flush=True)
-        plan_layout = _plan_layout(runtime)
-        cfg = JobSpec.model_validate(spec).to_run_config(Layout.from_dict(plan_layout), None)
-        # The same run with checkpoints in a fresh directory (the same saves as under Lattice).
-        for name in ("direct", "raytrain"):
-            cfg_dict = cfg.to_dict()
-            cfg_dict["checkpoint"]["dir"] = str(workdir / f"ckpt-{name}")
-            if name == "direct":
-                results.append(run_direct(cfg_dict, args.warmup))
-            else:
-                results.append(run_ray_train(cfg_dict, args.warmup, workdir))
-            print(results[-1], flush=True)
+        url = runtime.serve_in_thread(0)
+        token = runtime.admin_token or settings.token_path.read_text().strip()
+        plan_layout: dict[str, Any] = {}
+        # Rounds alternate the three ways so that a busy spell of the machine hits them alike.
+        for r in range(args.rounds):
+            measure, plan_layout = run_lattice(spec, url, token, args.warmup)
+            record(measure)
+            cfg = JobSpec.model_validate(spec).to_run_config(Layout.from_dict(plan_layout), None).to_dict()
+            # The same run with checkpoints in a fresh directory (the same saves as under Lattice).
+            cfg["checkpoint"]["dir"] = str(workdir / f"ckpt-direct-{r}")
+            record(run_direct(cfg, args.warmup))
+            cfg["checkpoint"]["dir"] = str(workdir / f"ckpt-raytrain-{r}")
+            try:
+                record(run_ray_train(cfg, args.warmup, workdir))
+            except ImportError as e:  # ray.train needs ray[train]'s extras (pandas, pyarrow, ...)
+                print(f"Ray Train skipped: {e}", flush=True)
     finally:
         runtime.stop()
-    report(results, spec, plan_layout, args.warmup)
+    report([_median(ms) for ms in runs.values()], spec, plan_layout, args.warmup, args.rounds)
     return 0
 
 
-def _plan_layout(runtime: Any) -> dict[str, Any]:
-    from service import store
+def _median(ms: list[Measure]) -> Measure:
+    digests = {m.digest for m in ms}
+    return Measure(
+        ms[0].name, statistics.median(m.first_step_s for m in ms), statistics.median(m.step_s for m in ms),
+        statistics.median(m.wall_per_step_s for m in ms), digests.pop() if len(digests) == 1 else "DIFFER",
+    )
 
-    with runtime.scheduler._rsf() as s:  # noqa: SLF001 - the bench reads the store directly
-        job = store.list_jobs(s, limit=1)[0]
-        return dict(job.plan["layout"])
 
-
-def report(results: list[Measure], spec: dict[str, Any], layout: dict[str, Any], warmup: int) -> None:
+def report(results: list[Measure], spec: dict[str, Any], layout: dict[str, Any], warmup: int,
+           rounds: int) -> None:
     base = {m.name: m for m in results}["torchrun-style"]
     now = datetime.datetime.now().isoformat(timespec="seconds")
     print(f"# bench/overhead.py  {now}  {platform.node()} {platform.machine()} x{os.cpu_count()} CPUs")
     print(f"job: preset {spec['model'].get('preset')}, {spec['train']['steps']} steps, global batch "
           f"{spec['train']['global_batch']}, layout tp={layout['tp']} pp={layout['pp']} dp={layout['dp']} "
-          f"zero={layout['zero_stage']} m={layout['num_microbatches']}; steady state = steps > {warmup}")
+          f"zero={layout['zero_stage']} m={layout['num_microbatches']}; steady state = steps > {warmup}; "
+          f"median of {rounds} round(s)")
     print(f"{'run':<16}{'submit->1st step':>18}{'step (median)':>16}{'wall/step':>12}"
           f"{'1st step vs torchrun':>22}{'step vs torchrun':>18}")
     for m in results:

@@ -62,7 +62,6 @@ from workers.controller import (
 )
 from workers.placement import Placement, PlacementError, place
 from workers.policies import RestartPolicy
-from workers.rank import RANK_FAULT_KINDS
 from workers.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -142,6 +141,15 @@ class Scheduler:
         with self._lock:
             self._cancels.add(job_id)
         self._wake.set()
+
+    def inject_fault(self, job_id: str, fault: Mapping[str, Any]) -> bool:
+        """Hand a fault spec (workers.faults) to the job's controller; False if the job has none here.
+        The caller checks settings.fault_injection and the admin role."""
+        a = self._attached.get(job_id)
+        if a is None:
+            return False
+        ray.get(a.handle.inject_fault.remote(**dict(fault)), timeout=self.poll_timeout_s)
+        return True
 
     def cluster_view(self) -> tuple[Topology | None, ClusterLedger | None]:
         """The live topology (health merged) and the ledger as of the last tick."""
@@ -579,11 +587,8 @@ class Scheduler:
 
         model = spec.model_spec()
         faults: tuple[dict[str, Any], ...] = ()
-        if self.settings.fault_injection:
-            faults = tuple(
-                f.model_dump(exclude_none=True) for f in spec.faults
-                if f.kind in RANK_FAULT_KINDS and f.at_step > reached_step
-            )
+        if self.settings.fault_injection:  # the controller validates and carries them out (issue 6)
+            faults = tuple(f.model_dump(exclude_none=True) for f in spec.faults if f.at_step > reached_step)
         fields: dict[str, Any] = {
             "hang_timeout_s": spec.fault_tolerance.heartbeat_timeout_s or self.settings.heartbeat_timeout_s,
             "first_seq": seq,

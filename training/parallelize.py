@@ -67,12 +67,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from training.compat import check_layout_for_model
 from training.config import RunConfig
 from training.layout import Layout, LayoutError
 from training.mesh import ParallelDims
 from training.model import Transformer
 from training.moe import reduce_expert_grads
-from training.spec import ModelSpec
 
 # Pipeline schedules that split backward into an input pass and a later weight pass. With them,
 # FSDP2's reshard_after_forward=True gives wrong weight gradients in torch 2.13 (the stage's
@@ -83,47 +83,6 @@ from training.spec import ModelSpec
 SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 # ---- validation ------------------------------------------------------------------------
-def check_layout_for_model(spec: ModelSpec, layout: Layout) -> None:
-    """Raise LayoutError when this layout cannot split this model."""
-    if spec.is_moe and layout.tp > 1:
-        raise LayoutError(
-            f"layout.tp must be 1 for an MoE model (model.num_experts = {spec.num_experts}), got "
-            f"{layout.tp}: experts are split with layout.ep (expert tensor parallel is not implemented)"
-        )
-    if layout.ep > 1:
-        if not spec.is_moe:
-            raise LayoutError(f"layout.ep ({layout.ep}) > 1 needs an MoE model (model.num_experts > 0)")
-        if spec.num_experts % layout.ep:
-            raise LayoutError(f"layout.ep ({layout.ep}) must divide model.num_experts ({spec.num_experts})")
-        if layout.zero_stage >= 2:
-            raise LayoutError(
-                f"layout.zero_stage must be 0 or 1 with layout.ep > 1, got {layout.zero_stage} "
-                "(FSDP of expert-parallel weights is not implemented; ZeRO-1 shards their optimizer state)"
-            )
-    if layout.cp > 1 and spec.seq_len % (2 * layout.cp):
-        raise LayoutError(
-            f"layout.cp ({layout.cp}): 2 x cp ({2 * layout.cp}) must divide model.seq_len ({spec.seq_len}) "
-            "(each CP rank holds two chunks of the sequence, for causal load balance)"
-        )
-    tp = layout.tp
-    if tp > 1:
-        for field, value in (("model.heads", spec.heads), ("model.kv_heads", spec.n_kv_heads),
-                             ("model.ffn", spec.ffn_dim), ("model.vocab", spec.vocab)):
-            if value % tp:
-                raise LayoutError(f"layout.tp ({tp}) must divide {field} ({value})")
-    if layout.sequence_parallel and (spec.seq_len // layout.cp) % tp:
-        what = "model.seq_len" if layout.cp == 1 else "model.seq_len / layout.cp"
-        raise LayoutError(
-            f"layout.tp ({tp}) must divide {what} ({spec.seq_len // layout.cp}) (sequence_parallel)"
-        )
-    if layout.pp > 1 and spec.tied_embeddings:
-        raise LayoutError("model.tied_embeddings needs pp = 1 (embedding and head are on different stages)")
-    if layout.pp > 1 and spec.layers < layout.num_stages:
-        raise LayoutError(
-            f"model.layers ({spec.layers}) must be >= pp x virtual_stages ({layout.num_stages})"
-        )
-
-
 # ---- tensor parallel -------------------------------------------------------------------
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Megatron layout: QKV and MLP-up column-wise, attention-out and MLP-down row-wise.

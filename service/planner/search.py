@@ -143,9 +143,10 @@ class _Search:
         for t in _divisors(env.n):
             if t > m.heads:
                 break
-            if m.heads % t or m.n_kv_heads % t:
-                what = f"{m.heads} heads" if m.heads % t else f"{m.n_kv_heads} KV heads"
-                self._reject(f"tp={t}", f"tp={t} does not divide the {what}")
+            bad = [f"{v} {what}" for v, what in ((m.heads, "heads"), (m.n_kv_heads, "KV heads"),
+                   (m.ffn_dim, "FFN columns"), (m.vocab, "vocabulary entries")) if v % t]
+            if bad:
+                self._reject(f"tp={t}", f"tp={t} does not divide the {bad[0]}")
             elif t > env.gpn or env.gpn % t:
                 if not crossed:
                     self._reject(f"tp={t}", f"tp={t} crosses the {env.gpn}-GPU node")
@@ -157,9 +158,13 @@ class _Search:
     def run(self) -> None:
         env, model = self.env, self.env.model
         for tp in self.tp_options():
+            if model.is_moe and tp > 1:
+                # The engine splits experts with ep, not tp (training.compat.check_layout_for_model).
+                self._reject(f"tp={tp}", f"tp={tp} with an MoE model: experts are split with ep, not tp")
+                continue
             for cp in _divisors(env.n // tp):
-                if env.s % cp:
-                    continue
+                if env.s % cp or (cp > 1 and env.s % (2 * cp)):
+                    continue  # each CP rank holds two chunks for causal load balance
                 if cp > 1 and env.s // cp < MIN_CP_TOKENS:
                     break
                 span = tp * cp
@@ -172,6 +177,9 @@ class _Search:
                         if not too_deep:
                             self._reject(f"pp={pp}", f"pp={pp} exceeds the {model.layers} layers")
                             too_deep = True
+                        continue
+                    if pp > 1 and model.tied_embeddings:
+                        self._reject(f"pp={pp}", "tied embeddings need embedding and head on one stage")
                         continue
                     dp = env.n // (span * pp)
                     name = f"tp={tp},pp={pp},dp={dp}" + (f",cp={cp}" if cp > 1 else "")
@@ -195,6 +203,12 @@ class _Search:
         """Search one family; True when first_fit found a fit."""
         env, key = self.env, fam.key()
         cap, zs = env.capacity, self.zs
+        if fam.ep > 1:
+            # FSDP of expert-parallel weights is not implemented; ZeRO-1 shards their optimizer state.
+            zs = tuple(z for z in zs if z <= 1)
+            if not zs:
+                self._reject(name, "ep > 1 needs zero stage 0 or 1")
+                return False
         b_local = env.g // fam.dp
         stages: dict[tuple[int, bool], Stage] = {}
         best: Candidate | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from pathlib import Path
 
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
@@ -14,10 +15,12 @@ from service import store
 from service.scheduler_sync import (
     job_transition_path,
     read_ledger,
+    replan_if_needed,
     store_controller_event,
     summarize_result,
     sync_nodes,
 )
+from service.settings import Settings
 from service.store.jobs import LEGAL_TRANSITIONS
 from service.store.models import JobState
 from workers.topology import Topology
@@ -119,3 +122,28 @@ def test_controller_events_are_stored_with_side_effects(db_session_factory: sess
     assert ckpts == [(2, "/c/2", True), (3, "/c/3", False)]  # verified: integrity checked at step 2, not 3
     assert (node.health, node.fault_count) == ("suspect", 1)
     assert plan == {"layout": {"tp": 2}, "replanned_from": {"tp": 1}}
+
+
+def test_a_plan_for_another_gpu_type_is_redone_for_the_live_cluster(
+    db_session_factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    from service.api.operations import plan_job
+    from service.schemas import JobSpec
+
+    settings = Settings(home=tmp_path, gpu_type="cpu-virtual")
+    spec = JobSpec.model_validate({
+        "name": "h100", "model": {"preset": "demo"}, "train": {"steps": 2, "global_batch": 8},
+        "resources": {"gpus": 8, "gpu_type": "H100"},
+    })
+    with store.session_scope(db_session_factory) as s:
+        store.ensure_tenant(s, "t")
+        planned = plan_job(spec, settings)
+        job = store.create_job(s, tenant="t", name="h100", spec=spec.canonical(), plan=planned)
+        assert job.plan["cluster"]["gpu_type"] != "cpu-virtual"
+        assert replan_if_needed(s, job, settings, Topology.uniform(2, 2, 4)) is None
+        s.refresh(job)
+        plan, events = job.plan, [e.type for e in store.list_events(s, job.id)]
+        same = replan_if_needed(s, job, settings, Topology.uniform(2, 2, 4))
+    assert plan["cluster"] == {"gpu_type": "cpu-virtual", "num_gpus": 8}
+    assert (plan["layout"]["tp"], plan["layout"]["pp"], plan["layout"]["dp"]) == (2, 2, 2)
+    assert events == ["created", "plan"] and same is None  # planned for the live type: left alone

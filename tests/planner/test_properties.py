@@ -18,6 +18,7 @@ from service.planner import (
 )
 from service.planner.reference import reference_best
 from service.planner.search import INTERLEAVE_DEPTHS
+from training.compat import check_layout_for_model
 
 REAL_GPUS = [name for name in GPU_CATALOG if name != "cpu-virtual"]
 
@@ -33,7 +34,7 @@ def problems(draw: st.DrawFn) -> tuple[ModelSpec, TrainSpec, ClusterSpec, tuple[
         hidden=heads * head_dim,
         heads=heads,
         kv_heads=kv_heads,
-        vocab=draw(st.integers(100, 130_000)),
+        vocab=128 * draw(st.integers(1, 1000)),  # padded, as real vocabularies are
         seq_len=seq_len,
         activation=draw(st.sampled_from(["swiglu", "gelu"])),
         tied_embeddings=draw(st.booleans()),
@@ -80,6 +81,7 @@ def test_every_plan_satisfies_every_constraint(
     if lay.virtual_stages > 1:
         assert lay.virtual_stages in INTERLEAVE_DEPTHS and lay.num_microbatches % lay.pp == 0
     assert lay.sequence_parallel == (lay.tp > 1), "sequence parallel is on whenever TP > 1"
+    check_layout_for_model(model, lay)  # the engine runs every plan the search returns
     mem = p.memory_per_gpu_bytes
     assert 0 < mem["total"] <= mem["capacity"], "memory never exceeds capacity"
     parts = ("params", "grads", "optimizer", "activations", "buffers", "reserve")
@@ -114,3 +116,22 @@ def test_pruned_search_finds_the_brute_force_optimum(
     p = plan(model, train, cluster)
     assert best is not None and count > p.candidates_evaluated
     assert p.step_time_s == best_t
+
+
+@pytest.mark.parametrize(
+    "preset,batch,gpu,gpus",
+    [
+        ("mixtral-8x7b", 256, "H100-80GB", 64),
+        ("deepseek-v3", 2048, "H100-80GB", 2048),
+        ("gpt2-small", 64, "A100-40GB", 16),
+        ("gpt3-175b", 1536, "A100-80GB", 1024),
+        ("demo", 8, "cpu-virtual", 8),
+    ],
+)
+def test_plans_are_layouts_the_engine_runs(preset: str, batch: int, gpu: str, gpus: int):
+    model = get_preset(preset)
+    cluster = ClusterSpec(gpu, gpus, 4 if gpu == "cpu-virtual" else 8)
+    p = plan(model, TrainSpec(batch, model.seq_len), cluster)
+    check_layout_for_model(model, p.layout)
+    if model.is_moe:
+        assert p.layout.tp == 1 and p.layout.zero_stage <= 1
