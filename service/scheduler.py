@@ -262,7 +262,7 @@ class Scheduler:
             return
         except RayActorError as e:
             del self._attached[job_id]
-            self._recover(job_id, f"its controller died: {type(e).__name__}")
+            self._recover(job_id, f"its controller died: {type(e).__name__}: {str(e)[:300]}")
             return
         except RayError as e:  # poll() itself raised: a controller bug; do not let it stall the others
             a.poll_errors += 1
@@ -566,10 +566,10 @@ class Scheduler:
             layout = Layout.from_dict((job.plan or {})["layout"])
             ledger = read_ledger(s)
         ckpt_dir = (self.settings.checkpoint_root / job_id).resolve()  # type: ignore[operator]
-        run_cfg = spec.to_run_config(layout, str(ckpt_dir))
-        options = self._controller_options(spec, seq, reached_step)
         policy = RestartPolicy(max_restarts=max(0, spec.fault_tolerance.max_restarts - restarts_used))
         try:
+            run_cfg = spec.to_run_config(layout, str(ckpt_dir))
+            options = self._controller_options(spec, seq, reached_step)
             handle = start_controller(job_id, run_cfg, options=options, failure_policy=policy,
                                       health=dict(ledger.health), cordoned=sorted(ledger.cordoned))
         except ControllerExists:
@@ -577,6 +577,10 @@ class Scheduler:
             if handle is None:
                 return  # it just ended; the next tick sees the job again
             log.info("job %s: its controller already exists; attaching", job_id)
+        except Exception as e:  # noqa: BLE001 - a job that cannot get a controller must say why
+            log.exception("job %s: cannot start its controller", job_id)
+            self._fail(job_id, f"could not start the job's controller: {type(e).__name__}: {e}"[:1000])
+            return
         predicted = ((job.plan or {}).get("predicted") or {}).get("mfu")
         if isinstance(predicted, int | float):
             metrics.JOB_MFU_PREDICTED.labels(job_id).set(predicted)
