@@ -60,10 +60,11 @@ class FaultHandling:
             path = str(fault.get("path") or "")
             if self._ckpt_ops is None or not path:
                 raise RuntimeError("no checkpoint to damage")
-            damaged = self._ckpt_ops.corrupt(path, fault.get("which", "any"), fault.get("mode", "flip"))
-            self._event("fault_injected", f"corrupt_checkpoint: damaged {damaged} of the checkpoint of "
-                        f"step {step}", fault=kind, step=step, path=path, file=damaged, rank=rank)
-            return damaged
+            which, mode = fault.get("which", "any"), fault.get("mode", "flip")
+            # Logged first: the loop thread may scrub this checkpoint as soon as it is damaged.
+            self._event("fault_injected", f"corrupt_checkpoint: damaging {which} of the checkpoint of "
+                        f"step {step} ({mode})", fault=kind, step=step, path=path, which=which, rank=rank)
+            return self._ckpt_ops.corrupt(path, which, mode)
         if kind != "kill_node":
             raise ValueError(f"{kind} is not a controller-side fault")
         node = fault.get("node") or self._rank_node.get(rank)

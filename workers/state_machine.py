@@ -480,6 +480,10 @@ class ControllerStateMachine(FaultHandling):
         step = ev.get("step")
         if isinstance(step, int) and isinstance(ev.get("data_positions"), list):
             self.data.record(step, ev["data_positions"], ev.get("step_time_s"))
+        if rank == 0 and isinstance(ev.get("step_time_s"), int | float):
+            times = self.straggler.step_times
+            times.append(float(ev["step_time_s"]))
+            del times[:-50]
         # Within an attempt steps only grow; a restart resumes from its checkpoint, so the
         # progress may step back to it.
         if not isinstance(step, int) or step < self._attempt_step:

@@ -131,3 +131,20 @@ def assert_kept_off(snap: dict[str, Any], node: str, after_kind: str) -> None:
         for r in e.get("placement") or []:
             assert r["node_name"] != node, f"rank {r['rank']} on {node} after {after_kind}: {e['kind']}"
     assert node not in {r["node_name"] for r in snap["placement"]}
+
+
+def assert_corruption_caught_before_restore(snap: dict[str, Any], damaged_step: int) -> None:
+    """The damaged checkpoint was found by manifest verification (at its commit, or by the scrub
+    before the restart when the rank that died never reported the save) and was not restored."""
+    seq = snap["events"]
+    caught = next(i for i, e in enumerate(seq) if e["kind"] == "failure"
+                  and e["failure"]["kind"] == "checkpoint")
+    restore = next(i for i, e in enumerate(seq) if e["kind"] == "restore")
+    injected = next(i for i, e in enumerate(seq) if e["kind"] == "fault_injected"
+                    and e.get("fault") == "corrupt_checkpoint")
+    assert injected < caught < restore
+    assert seq[caught]["detected_by"] == "manifest verification"
+    assert seq[caught]["failure"]["step"] == damaged_step
+    assert damaged_step in snap["faults"]["corrupt_steps"]
+    assert seq[restore]["step"] != damaged_step
+

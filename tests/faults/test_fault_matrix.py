@@ -11,6 +11,7 @@ import pytest
 
 from tests.faults.harness import (
     EVERY,
+    assert_corruption_caught_before_restore,
     assert_in_order,
     assert_kept_off,
     assert_succeeded_like_fault_free,
@@ -65,12 +66,11 @@ def test_matrix(kind, timing, tmp_path, revive_nodes):
                                                                          straggler_lag_s=0.5))
     assert_succeeded_like_fault_free(snap, cfg)
     story = ["fault_injected", "failure", "attributed"]
-    if kind == "corrupt_checkpoint":
-        story += ["fault_injected", "failure", "attributed"]
     story += {"kill_node": ["node_dead"], "bitflip": ["node_quarantined"]}.get(kind, ["node_suspect"])
     story += ["restart", "restore", "resumed", "finished"]
     assert_in_order(snap, story)
     attributed = [e for e in events(snap, "attributed") if e.get("cause") != "checkpoint"][0]
+    assert attributed["evidence"] is not None
     victim = faults[-1].get("rank")
     if kind not in ("kill_node",):
         assert attributed["ranks"] == [victim]
@@ -78,6 +78,9 @@ def test_matrix(kind, timing, tmp_path, revive_nodes):
         assert_kept_off(snap, attributed["nodes"][0], "node_quarantined")
     if kind == "kill_node":
         assert_kept_off(snap, attributed["nodes"][0], "node_dead")
+    if kind == "corrupt_checkpoint":
+        damaged = next(e["step"] for e in events(snap, "fault_injected") if e.get("fault") == kind)
+        assert_corruption_caught_before_restore(snap, damaged)
     restore = events(snap, "restore")[0]
     assert restore["step"] in snap["faults"]["verified_steps"] or restore["step"] == 0
     assert restore["step"] not in snap["faults"]["corrupt_steps"]
