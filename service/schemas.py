@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from training.compat import check_layout_for_model
 from training.config import CheckpointConfig, DataConfig, IntegrityConfig, OptimConfig, RunConfig
 from training.layout import RECOMPUTE, SCHEDULES, Layout, LayoutError
 from training.spec import ModelSpec, SpecError
@@ -76,7 +77,13 @@ class ModelConfig(_Strict):
     expert_ffn: int | None = Field(
         None, ge=1, le=_MAX_DEGREE * 8, description="Expert MLP width; unset = ffn."
     )
-    capacity_factor: float = Field(1.25, gt=0, le=64, description="MoE expert capacity factor.")
+    capacity_factor: float | None = Field(
+        1.25, gt=0, le=64, description="MoE expert capacity factor; null = no token dropping."
+    )
+    aux_loss_coef: float = Field(
+        0.01, ge=0, le=10, description="Weight of the MoE load-balancing auxiliary loss (Switch: 0.01)."
+    )
+    moe_layer_freq: int = Field(1, ge=1, le=1024, description="Every n-th block is MoE, the others dense.")
     name: str = Field("custom", min_length=1, max_length=64, description="Label for the model.")
 
     @model_validator(mode="after")
@@ -307,6 +314,10 @@ class JobSpec(_Strict):
                     f"num_microbatches ({layout.num_microbatches}) = {layout.global_batch} must equal "
                     f"train.global_batch ({self.train.global_batch})"
                 )
+            try:
+                check_layout_for_model(self.model_spec(), layout)  # what the ranks would refuse later
+            except LayoutError as e:
+                raise ValueError(f"parallelism: {e}") from e
             if self.resources.gpus is not None and layout.world_size != self.resources.gpus:
                 raise ValueError(
                     f"parallelism: tp x cp x dp x pp = {layout.world_size} must equal resources.gpus "

@@ -46,6 +46,12 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str, str]] = [
     ("NUL in name", tiny(name="a\x00b"), "name", "NUL"),
     ("tokens need a path", tiny(data={"kind": "tokens"}), "data.path", "required"),
     ("too many GPUs asked", tiny(resources={"gpus": 8}), "parallelism", "resources.gpus"),
+    (
+        "layout the engine refuses",
+        tiny(parallelism={"tp": 3, "dp": 1, "micro_batch_size": 4}),
+        "parallelism",
+        "must divide model.heads",
+    ),
 ]
 
 

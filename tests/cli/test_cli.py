@@ -50,7 +50,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     env |= {"LATTICE_HOME": str(home), "LATTICE_LOG_LEVEL": "warning"}
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve", "--port", str(port)],
+            [sys.executable, "-m", "service", "serve", "--port", str(port), "--api-only"],
             cwd=ROOT,
             env=env,
             stdout=out,
