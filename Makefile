@@ -43,6 +43,19 @@ test-slow: install postgres
 test-faults: install postgres
 	$(BIN)/python -m pytest -q -m slow tests/faults $(PYTEST_ARGS)
 
+# Benchmarks print Lattice against its peers measured in the same run (see docs/benchmarks.md).
+bench: install
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	$(BIN)/python -m bench.planner
+	$(BIN)/python -m bench.api --duration 20
+	$(BIN)/python -m bench.ddp
+	$(BIN)/python -m bench.zero
+	$(BIN)/python -m bench.pipeline
+	$(BIN)/python -m bench.cp
+	$(BIN)/python -m bench.overhead
+	$(BIN)/python -m bench.recovery
+	$(BIN)/python -m bench.sdc
+
 lint: install
 	$(BIN)/ruff check .
 
