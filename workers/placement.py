@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from training.layout import Layout
+from workers.placement_axes import choose_unit
 from workers.topology import NodeInfo, Topology
 
 log = logging.getLogger(__name__)
@@ -134,16 +135,12 @@ def place(layout: Layout, topology: Topology, *, exclude_nodes: Iterable[str] = 
             f"({_free_summary(topology, usable)})"
         )
     notes: list[str] = []
-    if cp > 1 and capacity(cp * tp) * cp * tp >= world:
-        unit = cp * tp
-    elif capacity(tp) * tp >= world:
-        unit = tp
-        if cp > 1:
-            notes.append(f"a CP group ({cp * tp} GPUs) does not fit in one node; TP groups are kept whole")
-    else:
+    unit, unit_notes = choose_unit(layout, [free[n.node_id] for n in usable])
+    if capacity(unit) * unit < world:
         raise PlacementError(
             f"needs {world} GPUs in groups of {tp} within a node; {_free_summary(topology, usable)}"
         )
+    notes.extend(unit_notes)
 
     stage_size = dp * cp * tp
     units_per_stage = stage_size // unit
