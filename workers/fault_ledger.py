@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,11 +114,14 @@ class CheckpointLedger:
 
 @dataclass
 class DataLedger:
-    by_step: dict[int, set[int]] = field(default_factory=dict)
-    step_time: dict[int, float] = field(default_factory=dict)
+    """Per step and DP rank, the global sample indices trained on (from the ranks' step reports)."""
 
-    def record(self, step: int, positions: Iterable[int], step_time_s: float | None) -> None:
-        self.by_step.setdefault(step, set()).update(int(p) for p in positions)
+    by_step: dict[int, dict[int, set[int]]] = field(default_factory=dict)
+    step_time: dict[int, float] = field(default_factory=dict)
+    filled: set[int] = field(default_factory=set)  # steps completed from a restored checkpoint
+
+    def record(self, step: int, positions: Iterable[int], step_time_s: float | None, dp_rank: int = 0) -> None:
+        self.by_step.setdefault(step, {}).setdefault(dp_rank, set()).update(int(p) for p in positions)
         if step_time_s is not None:
             self.step_time[step] = float(step_time_s)
 
@@ -128,20 +131,37 @@ class DataLedger:
         for s in lost:
             self.by_step.pop(s, None)
             self.step_time.pop(s, None)
+            self.filled.discard(s)
         return len(lost)
+
+    def fill(self, to_step: int, dp_size: int, positions: Callable[[int, int], list[int]]) -> list[int]:
+        """Steps up to a restored checkpoint were trained by every rank (the checkpoint was committed
+        by all of them after those steps), but a rank that died may have taken its last reports
+        with it: complete those from the data source's positions. Returns the steps completed."""
+        done = []
+        for step in range(1, to_step + 1):
+            row = self.by_step.setdefault(step, {})
+            missing = [r for r in range(dp_size) if r not in row]
+            for r in missing:
+                row[r] = set(positions(step, r))
+            if missing:
+                self.filled.add(step)
+                done.append(step)
+        return done
 
     def useful_seconds(self) -> float:
         return sum(self.step_time.values())
 
     def summary(self, detail_limit: int = 100_000) -> dict[str, Any]:
         steps = sorted(self.by_step)
-        every = [p for s in steps for p in sorted(self.by_step[s])]
+        every = [p for s in steps for r in sorted(self.by_step[s]) for p in sorted(self.by_step[s][r])]
         unique = set(every)
-        out: dict[str, Any] = {"steps": steps, "samples": len(every), "repeated": len(every) - len(unique)}
+        out: dict[str, Any] = {"steps": steps, "samples": len(every), "repeated": len(every) - len(unique),
+                               "filled_from_checkpoint": sorted(self.filled)}
         lo, hi = (min(unique), max(unique)) if unique else (0, -1)
         out["skipped"] = (hi - lo + 1) - len(unique)
         if len(every) <= detail_limit:
-            out["by_step"] = [sorted(self.by_step[s]) for s in steps]
+            out["by_step"] = [sorted(p for r in self.by_step[s].values() for p in r) for s in steps]
         return out
 
 

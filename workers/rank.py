@@ -77,7 +77,7 @@ def make_hooks(actor: RankActor) -> Any:
 
     class RankHooks(TrainHooks):
         def on_step(self, info: Any) -> Any:
-            actor._record("step", _plain(info))
+            actor._record("step", {**_plain(info), "dp": actor.coord.get("dp", 0)})
             actor._report_flips(info.step)
             actor._after_step(info.step, "step")
             wanted = actor._take_action()
@@ -97,8 +97,8 @@ def make_hooks(actor: RankActor) -> Any:
             actor._record("verified", {"step": step})
 
         def on_checkpoint(self, step: int, path: str, nbytes: int, seconds: float) -> None:
+            actor._after_commit(step, path)  # a corrupt_checkpoint fault lands before anyone hears of it
             actor._record("checkpoint", {"step": step, "path": path, "bytes": nbytes, "seconds": seconds})
-            actor._after_commit(step, path)
 
         def on_integrity_error(self, error: Any) -> Any:
             actor._record(

@@ -102,6 +102,8 @@ class FaultHandling:
         restored = int(step) if isinstance(step, int) else 0
         reached = self._reached
         dropped = self.data.rollback(restored)
+        if restored:
+            self._fill_data(restored)
         if reached is not None:
             lost = max(reached - restored, 0)
             self.clock.lost(lost)
@@ -113,6 +115,19 @@ class FaultHandling:
             self.clock.lost(dropped)
         self.progress["step"] = restored
         self._attempt_step = restored
+
+    def _fill_data(self, restored: int) -> None:
+        try:
+            from training.data import make_data_source
+
+            cfg = self.run_cfg
+            source = make_data_source(cfg.data, cfg.model, cfg.global_batch)
+            dp = cfg.layout.dp
+            self.data.fill(restored, dp, lambda s, r: source.positions(s, r, dp))
+        except Exception as e:  # noqa: BLE001 - the ledger stays as reported
+            import logging
+
+            logging.getLogger(__name__).warning("could not complete the data ledger: %s", e)
 
     def _on_checkpoint_committed(self, step: int, path: str) -> None:
         self.ckpts.committed[step] = path

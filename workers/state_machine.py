@@ -479,7 +479,7 @@ class ControllerStateMachine(FaultHandling):
     def _on_step_event(self, rank: int, ev: Mapping[str, Any]) -> None:
         step = ev.get("step")
         if isinstance(step, int) and isinstance(ev.get("data_positions"), list):
-            self.data.record(step, ev["data_positions"], ev.get("step_time_s"))
+            self.data.record(step, ev["data_positions"], ev.get("step_time_s"), int(ev.get("dp") or 0))
         if rank == 0 and isinstance(ev.get("step_time_s"), int | float):
             times = self.straggler.step_times
             times.append(float(ev["step_time_s"]))
