@@ -120,7 +120,9 @@ class DataLedger:
     step_time: dict[int, float] = field(default_factory=dict)
     filled: set[int] = field(default_factory=set)  # steps completed from a restored checkpoint
 
-    def record(self, step: int, positions: Iterable[int], step_time_s: float | None, dp_rank: int = 0) -> None:
+    def record(
+        self, step: int, positions: Iterable[int], step_time_s: float | None, dp_rank: int = 0
+    ) -> None:
         self.by_step.setdefault(step, {}).setdefault(dp_rank, set()).update(int(p) for p in positions)
         if step_time_s is not None:
             self.step_time[step] = float(step_time_s)

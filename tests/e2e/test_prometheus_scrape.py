@@ -42,7 +42,8 @@ def test_prometheus_sees_a_running_job(ray_cluster: Any, tmp_path: Path) -> None
         job_id = svc.submit(JOB)["id"]
         selector = f'{{job_id="{job_id}"}}'
         steps = wait_for_value(prom.url, f"lattice_job_step{selector}", lambda v: v > 0, timeout_s=180)
-        tps = wait_for_value(prom.url, f"lattice_job_tokens_per_second{selector}", lambda v: v > 0, timeout_s=60)
+        tps_expr = f"lattice_job_tokens_per_second{selector}"
+        tps = wait_for_value(prom.url, tps_expr, lambda v: v > 0, timeout_s=60)
         assert steps[0] >= 1 and tps[0] > 0
         running = values(prom.url, 'lattice_jobs{state="running"}')
         assert running and running[0] >= 1
