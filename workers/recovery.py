@@ -52,9 +52,8 @@ class FaultHandling:
         from the rank, which waits (a kill_node of its own node never returns to it)."""
         kind, step = fault.get("kind"), fault.get("step")
         with self._lock:
-            self._pending_faults = [f for f in self._pending_faults
-                                    if (f.get("kind"), int(f.get("rank") or 0)) != (kind, rank)]
-            self._fired.add((kind, rank, fault.get("phase", "step")))
+            self._drop_pending(kind, rank, step)
+            self._fired.add((kind, rank, fault.get("phase", "step"), step))
         self.clock.fault(self._wall())
         if kind == "corrupt_checkpoint":
             path = str(fault.get("path") or "")
@@ -85,17 +84,24 @@ class FaultHandling:
 
     def _on_fault_fired(self, rank: int, ev: Mapping[str, Any]) -> None:
         fault, at = ev.get("fault"), ev.get("step")
-        key = (fault, rank, ev.get("phase", "step"))
+        key = (fault, rank, ev.get("phase", "step"), at)
         if key in self._fired:
             return  # the controller heard it directly before the rank died, then from the rank
         self._fired.add(key)
-        self._pending_faults = [
-            f for f in self._pending_faults if (f.get("kind"), f.get("rank")) != (fault, rank)
-        ]
+        self._drop_pending(fault, rank, at)
         self.clock.fault(float(ev.get("t_fault") or ev.get("t") or self._wall()))
         extra = {k: ev[k] for k in ("target", "name", "index", "bit", "seconds", "phase") if k in ev}
         self._event("fault_injected", f"{fault} on rank {rank} at step {at}",
                     rank=rank, node=self._rank_node.get(rank), fault=fault, step=at, **extra)
+
+    def _drop_pending(self, kind: Any, rank: int, step: Any) -> None:
+        """The earliest pending fault of this kind on this rank has fired."""
+        for f in sorted(self._pending_faults, key=lambda f: f["at_step"]):
+            if f.get("kind") == kind and int(f.get("rank") or 0) == rank and (
+                not isinstance(step, int) or f["at_step"] <= step
+            ):
+                self._pending_faults.remove(f)
+                return
 
     def _on_restored(self, step: Any) -> None:
         self._restored_seen = True

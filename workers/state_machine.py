@@ -185,7 +185,7 @@ class ControllerStateMachine(FaultHandling):
         self._restored_seen = False
         self._started_wall = wall_clock()
         self._straggler: dict[str, Any] | None = None
-        self._fired: set[tuple[Any, int, Any]] = set()
+        self._fired: set[tuple[Any, int, Any, Any]] = set()
         self._reached: int | None = None
         self._dead_nodes: set[str] = set()
         self._scrubbed: set[int] = set()
