@@ -200,7 +200,8 @@ def start_controller(
     if get_controller(job_id) is not None:
         raise ControllerExists(f"a controller named {name!r} already exists; attach with get_controller()")
     head = _head_node_id()
-    strategy = NodeAffinitySchedulingStrategy(head, soft=True) if head else "DEFAULT"
+    # On the head when there is one (never on a GPU node that a fault may take down).
+    strategy = NodeAffinitySchedulingStrategy(head, soft=False) if head else "DEFAULT"
     return (
         ray.remote(JobController)
         .options(

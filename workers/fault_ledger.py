@@ -238,6 +238,13 @@ class FaultClock:
             self.sdc_detections += 1
         return incident
 
+    def note(self, cause: str, t: float, time_to_detect_s: float | None) -> dict[str, Any]:
+        """An incident that needs no restart (a damaged checkpoint): recorded, recovered at once."""
+        incident = {"cause": cause, "detected_at": t, "path": None, "steps_lost": 0, "time_to_recover_s": 0.0,
+                    "time_to_detect_s": None if time_to_detect_s is None else round(time_to_detect_s, 3)}
+        self.incidents.insert(max(len(self.incidents) - (1 if self.recovering else 0), 0), incident)
+        return incident
+
     def restarted(self, cause: str, path: str) -> None:
         self.restarts_by_cause[cause] = self.restarts_by_cause.get(cause, 0) + 1
         if self.incidents:

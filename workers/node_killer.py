@@ -87,13 +87,26 @@ class NodeKillService:
             for request_id, node in requests:
                 error = None
                 try:
+                    node_id = self.cluster.node_ids().get(node)
                     self.cluster.remove_node(node)
                     self.killed.append(node)
                     log.warning("node %s removed from the cluster (kill_node fault)", node)
+                    self._wait_dead(node_id)
                 except Exception as e:  # noqa: BLE001 - reported back to the controller
                     error = f"{type(e).__name__}: {e}"
                 self.mailbox.finish.remote(request_id, error)
             self._stop.wait(self.poll_s)
+
+    def _wait_dead(self, node_id: str | None, timeout_s: float = 30.0) -> None:
+        """Until Ray declares the node dead (its health checks, ~5 s here): a node brought back
+        under the same name must not meet a ghost of itself that still looks alive."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while node_id and time.monotonic() < deadline:
+            if not any(str(n["NodeID"]) == node_id and n.get("Alive") for n in ray.nodes()):
+                return
+            time.sleep(0.2)
 
     def stop(self) -> None:
         import ray

@@ -54,8 +54,8 @@ class FaultHandling:
         with self._lock:
             self._drop_pending(kind, rank, step)
             self._fired.add((kind, rank, fault.get("phase", "step"), step))
-        self.clock.fault(self._wall())
         if kind == "corrupt_checkpoint":
+            self._corrupted_at[int(step)] = self._wall()
             path = str(fault.get("path") or "")
             if self._ckpt_ops is None or not path:
                 raise RuntimeError("no checkpoint to damage")
@@ -69,6 +69,7 @@ class FaultHandling:
         node = fault.get("node") or self._rank_node.get(rank)
         if not node:
             raise RuntimeError(f"kill_node: rank {rank}'s node is unknown")
+        self.clock.fault(self._wall())
         self._event("fault_injected", f"kill_node: removing node {node} at step {step}", fault=kind,
                     node=node, step=step, phase=fault.get("phase", "step"), rank=rank)
         try:
@@ -150,15 +151,17 @@ class FaultHandling:
         except Exception as e:  # noqa: BLE001 - any verification failure makes the checkpoint unusable
             why = str(e)
             self.ckpts.mark_corrupt(step, why)
-            incident = self.clock.detected("checkpoint", self._wall())
+            now = self._wall()
+            damaged_at = self._corrupted_at.get(step)
+            # Its own incident, which needs no restart (the checkpoint is simply never used); it
+            # leaves a recovery in progress alone.
+            incident = self.clock.note("checkpoint", now, None if damaged_at is None else now - damaged_at)
             self._event("failure", f"checkpoint of step {step} does not verify: {why}",
                         failure=Failure(FailureKind.CHECKPOINT, why, step=step,
                                         evidence={"path": path}).to_dict(),
                         detected_by="manifest verification", time_to_detect_s=incident["time_to_detect_s"])
             self._event("attributed", f"checkpoint of step {step} is damaged; it will never be restored",
                         step=step, path=path, cause="checkpoint", evidence={"manifest": why})
-            incident["time_to_recover_s"] = 0.0
-            self.clock.fault_t = self.clock.detect_t = None
             if self.state in (_states().RUNNING, _states().CHECKPOINTING):
                 self.wg.request_action("checkpoint")  # replace it with a good one at the next step
             return False
@@ -167,18 +170,14 @@ class FaultHandling:
         return True
 
     def _scrub_candidates(self) -> None:
-        """Before a restart: verify the checkpoints it could restore, newest first, until one is good
-        (a rank that died may never have reported its part of the last save)."""
+        """Before a restart: verify every checkpoint on disk not checked yet (at most `keep` of them;
+        a rank that died may never have reported its part of a save, so its commit went unseen)."""
         ops, root = self._ckpt_ops, self.run_cfg.checkpoint.dir
         if ops is None or not root or not hasattr(ops, "list"):
             return
-        allowed = self.ckpts.restore_steps()
         for step in sorted(ops.list(root), reverse=True):
-            if allowed is not None and step not in allowed:
-                continue
             self.ckpts.committed.setdefault(step, f"{root}/step-{step}")
-            if self._scrub(step, self.ckpts.committed[step]):
-                return
+            self._scrub(step, self.ckpts.committed[step])
 
     def _node_gone(self, rank: int) -> bool:
         node = self._rank_node.get(rank)

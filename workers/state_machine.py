@@ -189,6 +189,7 @@ class ControllerStateMachine(FaultHandling):
         self._reached: int | None = None
         self._dead_nodes: set[str] = set()
         self._scrubbed: set[int] = set()
+        self._corrupted_at: dict[int, float] = {}  # step -> when a corrupt_checkpoint fault damaged it
         self._exclude: set[str] = set()
         self._resume = self.options.resume
         self._placing_since: float | None = None

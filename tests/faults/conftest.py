@@ -3,12 +3,14 @@ controllers remove its simulated nodes (kill_node) through the node-killer mailb
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.ray_fixture import ray_cluster
+from workers.topology import Topology
 
 __all__ = ["node_killer", "ray_cluster"]
 
@@ -23,7 +25,17 @@ def revive_nodes(ray_cluster: Any, node_killer: Any) -> Iterator[Any]:
     """After the test, bring back every node it removed (same name and rack) for later tests."""
     yield node_killer
     racks = {name: rack for rack, name in ray_cluster.config.node_names()}
+    revived = False
     for name in list(node_killer.killed):
         if name not in ray_cluster.node_names():
             ray_cluster.add_node(name, racks[name])
+            revived = True
     node_killer.killed.clear()
+    if revived:  # every simulated node alive once, with all its GPUs free
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            topo = Topology.from_ray(include_dead=False)
+            gpus = ray_cluster.config.gpus_per_node * len(racks)
+            if len(topo.gpu_nodes) == len(racks) and topo.gpus_free == topo.gpus_total == gpus:
+                break
+            time.sleep(0.2)

@@ -72,7 +72,11 @@ def run_job(job_id: str, cfg: RunConfig, opts: ControllerOptions, timeout_s: flo
     try:
         deadline = time.monotonic() + timeout_s
         while True:
-            snap = ray.get(handle.poll.remote(0))
+            try:
+                snap = ray.get(handle.poll.remote(0), timeout=30)
+            except ray.exceptions.ActorUnavailableError:  # transient while a node is being removed
+                time.sleep(0.5)
+                continue
             if snap["terminal"]:
                 return snap
             if time.monotonic() > deadline:
