@@ -38,6 +38,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service import metrics, store
 from service.errors import ConcurrentUpdate, IllegalTransition, JobNotFound
+from service.fault_metrics import observe_fault_events
 from service.scheduler_sync import (
     ATTEMPT_EVENTS,
     ClusterLedger,
@@ -364,6 +365,8 @@ class Scheduler:
             elif e["kind"] == "integrity_error":
                 metrics.JOB_SDC.labels(job_id).inc()
                 metrics.SDC_DETECTIONS.inc()
+        # time to detect / to recover, steps lost, goodput (issue 6)
+        observe_fault_events(job_id, events, snap)
 
     def _send_cancels(self) -> None:
         with self._lock:

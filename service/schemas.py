@@ -26,6 +26,7 @@ from training.compat import check_layout_for_model
 from training.config import CheckpointConfig, DataConfig, IntegrityConfig, OptimConfig, RunConfig
 from training.layout import RECOMPUTE, SCHEDULES, Layout, LayoutError
 from training.spec import ModelSpec, SpecError
+from workers.faults import FaultError, normalize_fault
 
 if TYPE_CHECKING:
     from service.store.models import Job, JobEvent
@@ -331,6 +332,10 @@ class JobSpec(_Strict):
         for i, fault in enumerate(faults):
             if fault.kind in ("kill_rank", "hang_rank", "slow_rank", "bitflip") and fault.rank is None:
                 raise ValueError(f"faults[{i}].rank is required for kind {fault.kind!r}")
+            try:  # the controller's own validation, so a bad parameter is a 422 and not a failed start
+                normalize_fault(fault.model_dump(exclude_none=True), f"faults[{i}]")
+            except FaultError as e:
+                raise ValueError(str(e)) from e
         return faults
 
     # ---- conversions ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from sqlalchemy import Engine
 from service.api.deps import SchedulerHook, get_principal
 from service.api.middleware import MetricsMiddleware
 from service.api.problems import add_problem_schemas, install_problem_handlers, problem_responses
-from service.api.routes import cluster, health, jobs, plans, tokens
+from service.api.routes import cluster, faults, health, jobs, plans, tokens
 from service.settings import Settings, get_settings
 from service.store.db import make_engine, make_session_factory
 
@@ -45,6 +45,7 @@ def create_app(
     # The planner's router carries no auth of its own: any valid token may plan.
     app.include_router(plans.router, dependencies=[Depends(get_principal)], responses=problem_responses(401))
     app.include_router(tokens.router)
+    app.include_router(faults.router)
     app.include_router(cluster.router)
 
     def openapi() -> dict[str, Any]:

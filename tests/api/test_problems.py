@@ -105,3 +105,12 @@ def test_unknown_job_and_route_are_404_problems(client: TestClient, tokens: dict
     assert r.status_code == 404 and r.json()["detail"] == "no route for GET /v1/nothing"
     r = client.delete("/v1/jobs")
     assert r.status_code == 405 and r.headers["content-type"] == "application/problem+json"
+
+
+def test_fault_injection_is_mounted_and_off_by_default(client: TestClient, tokens: dict[str, str]) -> None:
+    job = client.post("/v1/jobs", json=tiny(), headers=bearer(tokens["a"])).json()
+    fault = {"kind": "kill_rank", "rank": 0, "at_step": 1}
+    r = client.post(f"/v1/jobs/{job['id']}/faults", json=fault, headers=bearer(tokens["a"]))
+    assert r.status_code in (403, 404), r.text  # a user never injects faults
+    r = client.post(f"/v1/jobs/{job['id']}/faults", json=fault, headers=bearer(tokens["admin"]))
+    assert r.status_code == 409 and "LATTICE_FAULT_INJECTION" in r.json()["detail"], r.text
