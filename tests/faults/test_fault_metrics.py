@@ -1,0 +1,37 @@
+"""The scheduler turns a controller's fault events into the issue's metrics on /metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from service import metrics
+from service.fault_metrics import observe_fault_events
+
+# Shaped like workers.recovery / workers.state_machine emit them (kind + the numbers they carry).
+EVENTS = [
+    {"seq": 1, "kind": "failure", "failure": {"kind": "rank_died"}, "time_to_detect_s": 0.8},
+    {"seq": 2, "kind": "restore", "step": 10, "steps_lost": 2},
+    {"seq": 3, "kind": "resumed", "step": 11, "time_to_recover_s": 4.2},
+]
+
+
+def _sample(name: str, job_id: str) -> float:
+    for family in metrics.REGISTRY.collect():
+        for s in family.samples:
+            if s.name == name and s.labels.get("job_id") == job_id:
+                return s.value
+    raise AssertionError(f"{name}{{job_id={job_id}}} not exposed")
+
+
+def test_fault_events_become_metrics_and_leave_with_the_job() -> None:
+    job = "fm-1"
+    observe_fault_events(job, EVENTS, {"faults": {"goodput": 0.75}})
+    assert _sample("lattice_job_time_to_detect_seconds_count", job) == 1
+    assert _sample("lattice_job_time_to_detect_seconds_sum", job) == 0.8
+    assert _sample("lattice_job_time_to_recover_seconds_sum", job) == 4.2
+    assert _sample("lattice_job_steps_lost_total", job) == 2
+    assert _sample("lattice_job_goodput_ratio", job) == 0.75
+    observe_fault_events(job, [{"kind": "restore", "steps_lost": 0}, {"kind": "step"}], None)
+    assert _sample("lattice_job_steps_lost_total", job) == 2  # nothing lost, nothing counted
+    metrics.forget_job(job)
+    assert f'job_id="{job}"' not in generate_latest(metrics.REGISTRY).decode()
