@@ -90,6 +90,9 @@ class Attached:
     cancel_sent: bool = False
     failure_cause: str = "unknown"
     poll_errors: int = 0
+    # Model FLOPs per step over the cluster's peak FLOP/s (from the job's plan): measured MFU is
+    # this over the step time, also where the ranks cannot name their device's peak (virtual GPUs).
+    mfu_seconds: float | None = None
 
     def gpus_by_node(self) -> dict[str, int]:
         if self.controller_state == "WAITING":
@@ -348,6 +351,10 @@ class Scheduler:
                            (metrics.JOB_MFU, "mfu")):
             if isinstance(p.get(key), int | float):
                 gauge.labels(job_id).set(p[key])
+        step_time = p.get("step_time_s")
+        if not isinstance(p.get("mfu"), int | float) and a.mfu_seconds and isinstance(step_time, int | float):
+            if step_time > 0:
+                metrics.JOB_MFU.labels(job_id).set(a.mfu_seconds / step_time)
         if step > a.step and isinstance(p.get("step_time_s"), int | float):
             metrics.JOB_STEP_TIME.labels(job_id).observe(p["step_time_s"])
         a.step = step
@@ -587,7 +594,7 @@ class Scheduler:
         predicted = ((job.plan or {}).get("predicted") or {}).get("mfu")
         if isinstance(predicted, int | float):
             metrics.JOB_MFU_PREDICTED.labels(job_id).set(predicted)
-        self._attach(job_id, handle, seq, intended)
+        self._attach(job_id, handle, seq, intended).mfu_seconds = _mfu_seconds(job.plan)
 
     def _controller_options(self, spec: JobSpec, seq: int, reached_step: int) -> ControllerOptions:
         from service.planner import flops_per_token
@@ -612,3 +619,16 @@ class Scheduler:
         for state, n in counts.items():
             metrics.JOBS_BY_STATE.labels(state.value).set(n)
         metrics.QUEUE_DEPTH.set(counts[JobState.PENDING] + counts[JobState.QUEUED])
+
+
+def _mfu_seconds(plan: Mapping[str, Any] | None) -> float | None:
+    """flops_per_step / (GPUs x peak FLOP/s) of the planned cluster: MFU x step time."""
+    from service.planner import GPU_CATALOG
+
+    plan = plan or {}
+    cluster = plan.get("cluster") or {}
+    gpu = GPU_CATALOG.get(str(cluster.get("gpu_type")))
+    flops, gpus = plan.get("flops_per_step"), cluster.get("num_gpus")
+    if gpu is None or not isinstance(flops, int | float) or not isinstance(gpus, int) or gpus < 1:
+        return None
+    return float(flops) / (gpus * gpu.peak_flops)

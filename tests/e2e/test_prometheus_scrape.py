@@ -45,6 +45,10 @@ def test_prometheus_sees_a_running_job(ray_cluster: Any, tmp_path: Path) -> None
         tps_expr = f"lattice_job_tokens_per_second{selector}"
         tps = wait_for_value(prom.url, tps_expr, lambda v: v > 0, timeout_s=60)
         assert steps[0] >= 1 and tps[0] > 0
+        # MFU measured (plan FLOPs over step time and the cluster's peak) next to the planner's prediction
+        measured = wait_for_value(prom.url, f"lattice_job_mfu{selector}", lambda v: 0 < v < 1, timeout_s=30)
+        predicted = wait_for_value(prom.url, f"lattice_job_mfu_predicted{selector}", lambda v: 0 < v < 1)
+        assert measured and predicted
         running = values(prom.url, 'lattice_jobs{state="running"}')
         assert running and running[0] >= 1
         assert svc.api("POST", f"/v1/jobs/{job_id}/cancel").status_code in (200, 202)
