@@ -120,32 +120,32 @@ def _bench(rank: int, world: int, args: dict) -> dict[str, Any]:
 
     no_checks = IntegrityConfig(fingerprint_every=0, loss_spike_factor=1e30, check_finite=False)
     # The checks' own time, measured inside the "on" runs: the A/B difference of whole steps is
-    # within the noise of a shared 2-core machine.
+    # within the noise of a shared 2-core machine. Timed: the fingerprint (computed in the step; its
+    # 4 words ride on the step's loss all-gather), the vote and loss checks, the local gradient norms.
+    import training.train as train_module
+
     check_times: list[float] = []
-    originals = (Trainer.check_integrity, Trainer._check_local_grads)
+    originals = (Trainer.check_integrity, Trainer._check_local_grads, train_module.param_fingerprint)
 
-    def timed_check(self: Any, *a: Any) -> Any:
-        t = time.perf_counter()
-        out = originals[0](self, *a)
-        check_times.append(time.perf_counter() - t)
-        return out
-
-    def timed_local(self: Any, *a: Any) -> Any:
-        t = time.perf_counter()
-        out = originals[1](self, *a)
-        check_times.append(time.perf_counter() - t)
-        return out
+    def timed(fn: Any) -> Any:
+        def wrapper(*a: Any) -> Any:
+            t = time.perf_counter()
+            out = fn(*a)
+            check_times.append(time.perf_counter() - t)
+            return out
+        return wrapper
 
     for label in ("off", "on", "off", "on"):  # interleaved, so drift hits both alike
-        timed = Timed(label == "on")
+        timed_hooks = Timed(label == "on")
         if label == "on":
-            Trainer.check_integrity, Trainer._check_local_grads = timed_check, timed_local
+            Trainer.check_integrity, Trainer._check_local_grads = timed(originals[0]), timed(originals[1])
+            train_module.param_fingerprint = timed(originals[2])
         try:
             run_cfg = big_cfg if label == "on" else replace(big_cfg, integrity=no_checks)
-            train(ctx, run_cfg, timed, resume=False)
+            train(ctx, run_cfg, timed_hooks, resume=False)
         finally:
-            Trainer.check_integrity, Trainer._check_local_grads = originals
-        timings.setdefault(label, []).extend(timed.times[2:])  # drop warm-up steps
+            Trainer.check_integrity, Trainer._check_local_grads, train_module.param_fingerprint = originals
+        timings.setdefault(label, []).extend(timed_hooks.times[2:])  # drop warm-up steps
     check_per_step = sum(check_times) / (2 * big_cfg.steps)
     params = sum(p.numel() for p in Transformer(big).parameters())
     return {"outcomes": outcomes, "false_positives": count.errors, "clean_steps": args["clean_steps"],

@@ -53,7 +53,7 @@ from training.integrity import (
     LossSpikeDetector,
     check_finite,
     param_fingerprint,
-    vote_fingerprints,
+    summarize_step,
 )
 from training.mesh import ParallelDims
 from training.model import Transformer
@@ -69,6 +69,7 @@ from training.parallelize import (
     unwrap,
 )
 from training.pipeline import Pipeline, build_pipeline
+from training.referee import referee_snapshot_path, referee_supported, save_referee_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +184,7 @@ class Trainer:
         snapshot = audit is not None and audit.wants_snapshot(layout.dp, layout.zero_stage)
         self.snapshot = StepSnapshot(self.parts, self.optimizers) if snapshot else None
         self.last_vote: FingerprintVote | None = None
+        self.pending_vote: FingerprintVote | None = None
         self.fingerprint_ran = False
         self._local_error: IntegrityError | None = None
         self._rerun_local: tuple[float, bool] | None = None
@@ -249,13 +251,16 @@ class Trainer:
         finish_grad_sync(self.modules)
         return total
 
-    def global_loss(self, local: torch.Tensor | None) -> float:
-        """Mean over DP replicas of the last stage's loss; identical on every rank."""
+    def step_summary(
+        self, local: torch.Tensor | None, fingerprint: int | None
+    ) -> tuple[float, FingerprintVote | None]:
+        """One collective per step: every rank's last-stage loss and, when due, its parameter
+        fingerprint, all-gathered over the world. Returns the mean loss over the replicas
+        (identical on every rank) and the vote of this rank's DP group (None when not due)."""
         layout = self.cfg.layout
-        t = (local.detach().float() if local is not None else torch.zeros(())).to(self.ctx.device).reshape(1)
-        dist.all_reduce(t)
-        # Every rank holding the last stage (dp x cp x tp of them) contributed; the others gave 0.
-        return float(t.item()) / (layout.dp * layout.cp * layout.tp)
+        value = float(local.detach().float().item()) if local is not None else 0.0
+        return summarize_step(value, fingerprint, self.dp_group, self.ctx.device,
+                              layout.dp * layout.cp * layout.tp)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [item for part in self.parts for item in part.named_parameters()]
@@ -292,15 +297,18 @@ class Trainer:
         if injector is not None:
             injector.maybe_flip_params(step, self.named_parameters())
         self.step = step
-        return self.global_loss(local_loss), positions
+        fingerprint = param_fingerprint(list(self.parts)) if self.fingerprint_due(step) else None
+        loss, self.pending_vote = self.step_summary(local_loss, fingerprint)
+        return loss, positions
+
+    def fingerprint_due(self, step: int) -> bool:
+        every = self.cfg.integrity.fingerprint_every
+        return bool(every) and step % every == 0 and self.replicas_comparable
 
     @property
     def replicas_comparable(self) -> bool:
         """DP replicas must hold bitwise-equal parameters (ZeRO-0/1 with dp > 1)."""
         return self.cfg.layout.zero_stage <= 1 and self.cfg.layout.dp > 1
-
-    def vote(self) -> FingerprintVote:
-        return vote_fingerprints(param_fingerprint(list(self.parts)), self.dp_group)
 
     def check_integrity(self, step: int, loss: float) -> IntegrityError | None:
         cfg = self.cfg
@@ -312,11 +320,9 @@ class Trainer:
             self.spikes.check(loss, step)
         except IntegrityError as e:
             error = error or e
-        every = cfg.integrity.fingerprint_every
-        if every and step % every == 0 and self.replicas_comparable:
-            # Every rank joins the vote even when another check already failed: it is a collective.
-            vote = self.last_vote = self.vote()
-            self.fingerprint_ran = True
+        vote = self.pending_vote  # gathered with the step's loss (every rank took part)
+        if vote is not None:
+            self.last_vote, self.fingerprint_ran = vote, True
             if vote.divergent and error is None:
                 error = IntegrityError("divergent_replicas", step, vote.divergent,
                                        {"dp_group": vote.ranks, "ambiguous": vote.ambiguous})
@@ -365,14 +371,15 @@ def _rerun_attribution(
     first = trainer.last_vote
     trainer.snapshot.restore()  # type: ignore[union-attr]
     trainer.train_step(step, rerun=True)
-    rerun_vote = trainer.vote() if first is not None else None
+    rerun_vote = trainer.pending_vote if first is not None else None
     mine: dict[str, Any] = {"rank": trainer.ctx.rank}
     if first is not None and rerun_vote is not None and first.divergent:
         culprits, transient, evidence = rerun_verdict(first, rerun_vote)
         mine["vote"] = (culprits, transient, evidence)
     if trainer._rerun_local is not None:
         mine["local"] = trainer._rerun_local
-    results = _gather(mine)
+    referee = _maybe_write_referee_snapshot(trainer, step, first, rerun_vote)
+    results = _gather(mine)  # also the barrier after which the referee's snapshot is on disk
     culprits: set[int] = set()
     transient = True
     evidence: dict[str, Any] = {"attribution": "rerun from the pre-step snapshot", "first": shared.evidence}
@@ -395,7 +402,25 @@ def _rerun_attribution(
         culprits = set(shared.ranks)
     evidence["transient"] = transient
     evidence["reproduced"] = not transient
+    if referee is not None and not transient:
+        evidence["referee"] = referee  # the controller asks a spare on a healthy node (workers.referee)
     return IntegrityError(shared.kind, step, sorted(culprits), evidence)
+
+
+def _maybe_write_referee_snapshot(trainer: Trainer, step: int, first: FingerprintVote | None,
+                                  rerun: FingerprintVote | None) -> dict[str, Any] | None:
+    """Two replicas that disagreed again on the re-run: the lowest rank writes the pre-step
+    snapshot for a referee (training.referee) and every rank returns where it is."""
+    cfg = trainer.cfg
+    if (first is None or rerun is None or rerun.ok or not rerun.ambiguous or not cfg.checkpoint.dir
+            or trainer.snapshot is None or not referee_supported(cfg.layout)):
+        return None
+    path = referee_snapshot_path(cfg.checkpoint.dir, step)
+    if trainer.ctx.rank == min(first.ranks):
+        snap = trainer.snapshot
+        save_referee_snapshot(path, step, snap._params, snap._optim, snap._rng, trainer.data.state_dict())
+    prints = {str(r): f"{f:032x}" for r, f in zip(first.ranks, first.fingerprints, strict=True)}
+    return {"snapshot": path, "step": step, "dp_group": list(first.ranks), "fingerprints": prints}
 
 
 def train(ctx: DistContext, cfg: RunConfig, hooks: TrainHooks | None = None, *, resume: bool = True,

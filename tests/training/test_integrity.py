@@ -155,6 +155,41 @@ def test_fingerprint_changes_for_every_single_bit_flip() -> None:
     assert len(seen) > 250  # distinct flips give (almost always) distinct fingerprints
 
 
+def _reference_fingerprint(tensors: list[torch.Tensor]) -> int:
+    """param_fingerprint's formula in plain Python integers, from each tensor's raw bytes."""
+    mask, row = (1 << 64) - 1, 1024  # int64 words per row (training.integrity._ROW)
+    mix = 0x9E3779B97F4A7C15
+    hi = lo = 0
+    for t, x in enumerate(tensors):
+        raw = x.detach().contiguous().view(torch.uint8).numpy().tobytes()
+        e = x.element_size()
+        # whole 8-byte words, unless the tensor does not start on an 8-byte boundary (then widened)
+        n_main = len(raw) // 8 * 8 if x.storage_offset() * e % 8 == 0 else 0
+        words = [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, n_main, 8)]
+        words += [int.from_bytes(raw[i:i + e], "little", signed=True) for i in range(n_main, len(raw), e)]
+        s = sum(words)
+        p = 0
+        n_rows = n_main // 8 // row
+        for i, w in enumerate(words):
+            r, c = (i // row, i % row) if i < n_rows * row else (n_rows, i - n_rows * row)
+            p += (r + 1) * w + mix * (c + 1) * w
+        hi += (2 * t + 1) * s
+        lo += (2 * t + 1) * p
+    return ((hi & mask) << 64) | (lo & mask)
+
+
+def test_fingerprint_matches_its_formula_on_raw_bytes() -> None:
+    torch.manual_seed(3)
+    big = nn.Linear(160, 13)  # 2,080 float32 = 1,040 int64 words: a full row and a short last row
+    odd = nn.Linear(3, 3).to(torch.float16)  # tails of 16-bit elements
+    flat = torch.randn(1001)
+    misaligned = nn.Module()
+    misaligned.register_parameter("w", nn.Parameter(flat[1:]))  # storage offset of 4 bytes
+    parts = [big, odd, misaligned]
+    tensors = [p for part in parts for p in part.parameters()]
+    assert param_fingerprint(parts) == _reference_fingerprint(tensors)
+
+
 def test_fingerprint_is_position_sensitive_and_covers_all_parts() -> None:
     a = nn.Linear(4, 4)
     b = nn.Linear(4, 4)
