@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -152,3 +153,46 @@ def assert_corruption_caught_before_restore(snap: dict[str, Any], damaged_step: 
     assert damaged_step in snap["faults"]["corrupt_steps"]
     assert seq[restore]["step"] != damaged_step
 
+
+
+# ---- replanning -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlannerReplanner:
+    """The service's planner as a workers.policies.Replanner: the planned layout (any TP / PP / DP /
+    ZeRO choice) for the most schedulable GPUs left, below the current world size, with the same
+    global batch and so the same training mathematics. The cluster is described as the service
+    describes it (service.scheduler_sync.replan_if_needed)."""
+
+    model: ModelSpec
+    gpu_type: str = "cpu-virtual"
+
+    def __call__(self, topology: Topology, layout: Layout) -> Layout | None:
+        from service.planner import ClusterSpec, PlannerError, TrainSpec, plan
+
+        per_rack = max((len(nodes) for nodes in topology.racks.values()), default=1)
+        train = TrainSpec(global_batch=layout.global_batch, seq_len=self.model.seq_len)
+        for gpus in range(min(topology.gpus_schedulable, layout.world_size - 1), 0, -1):
+            cluster = ClusterSpec(gpu_type=self.gpu_type, num_gpus=gpus,
+                                  gpus_per_node=topology.gpus_per_node() or 1, nodes_per_rack=per_rack)
+            try:
+                return plan(self.model, train, cluster).layout
+            except PlannerError:
+                continue
+        return None
+
+
+def checkpoint_params(step_dir: Path, out: Path) -> dict[str, Any]:
+    """The full (unsharded) model parameters of a DCP checkpoint, whatever layout wrote it."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(step_dir), str(out))
+    return torch.load(str(out))["model"]
+
+
+def fault_free_params(cfg: RunConfig, work: Path) -> dict[str, Any]:
+    """The final parameters of the same job run directly on gloo ranks, without faults, in its
+    original layout (one checkpoint, at the end)."""
+    clean = replace(cfg, checkpoint=CheckpointConfig(dir=str(work / "ckpt"), every_steps=0))
+    run_ranks(clean.layout.world_size, _direct_digest, (clean.to_dict(),))
+    return checkpoint_params(work / "ckpt" / f"step-{cfg.steps}", work / "fault-free.pt")

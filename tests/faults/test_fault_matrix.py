@@ -1,7 +1,8 @@
 """The seeded fault matrix of issue 6 (`make test-faults`): every fault kind x {early, mid-run,
 during a checkpoint save}, plus the replicas' majority vote (DP 3), a harmful gradient bit flip
 (exponent, > 2^10), a replan when a node's loss leaves too little capacity, and a spent restart
-budget. Killing the service is the scheduler's reattach test (tests/e2e)."""
+budget. Killing the service, at the same three timings, is test_service_kill_matrix.py; a replan
+that changes the TP degree and the ZeRO stage is test_replan_layouts.py."""
 
 from __future__ import annotations
 
