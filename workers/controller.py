@@ -23,6 +23,7 @@ from typing import Any
 
 from training.config import RunConfig
 from workers.policies import FailurePolicy, ScalingPolicy
+from workers.referee import RayReferee
 from workers.state_machine import (
     JOB_STATE,
     ControllerOptions,
@@ -83,6 +84,7 @@ class JobController:
             job_id, run_cfg, group, options=opts, failure_policy=failure_policy,
             scaling_policy=scaling_policy, health=health, cordoned=cordoned,
             node_killer=kill_node, checkpoint_ops=LocalCheckpointOps(),
+            referee=RayReferee(opts.cpus_per_rank, opts.env_vars),
         )
         self._thread = threading.Thread(target=self._loop, name=f"lattice-controller-{job_id}", daemon=True)
         self._thread.start()

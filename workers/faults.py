@@ -7,7 +7,8 @@ A fault is a dict: `{"kind", "at_step", "rank" | "node", "phase", ...kind parame
 - slow_rank (the rank actor): sleeps `seconds` (default 1.0) every step from then on, a straggler.
 - bitflip (the training engine): flips `bit` of element `index` of parameter `name`, on one DP
   replica after the optimizer step (target "param") or in the rank's local gradient before the DP
-  reduction (target "grad").
+  reduction (target "grad"); `persistent: true` models a faulty device: the flip recurs each time
+  the rank runs that step, so the re-run from the pre-step snapshot reproduces it.
 - kill_node (the controller): removes the node (`node`, or the node of `rank`) from the cluster
   through the `NodeKiller` seam (workers.node_killer).
 - corrupt_checkpoint (the controller): damages one file (`which`, `mode`) of the first checkpoint
@@ -82,8 +83,12 @@ def normalize_fault(spec: Mapping[str, Any], where: str = "fault") -> dict[str, 
         name = spec.get("name", DEFAULT_FLIP_PARAM)
         if not isinstance(name, str) or not name:
             raise FaultError(f"{where}.name must be a parameter name, got {name!r}")
+        persistent = spec.get("persistent", False)
+        if not isinstance(persistent, bool):
+            raise FaultError(f"{where}.persistent must be true or false, got {persistent!r}")
         out.update(target=target, name=name, index=_int({"index": spec.get("index", 0)}, "index", where, 0),
-                   bit=_int({"bit": spec.get("bit", DEFAULT_FLIP_BIT)}, "bit", where, 0, 63))
+                   bit=_int({"bit": spec.get("bit", DEFAULT_FLIP_BIT)}, "bit", where, 0, 63),
+                   persistent=persistent)
     if kind == "corrupt_checkpoint":
         mode = spec.get("mode", "flip")
         if mode not in CORRUPT_MODES:

@@ -356,7 +356,8 @@ class RankActor:
 
             flip = BitFlip(step=max(int(at_step), 1), rank=self.rank, target=params.get("target", "param"),
                            name=params.get("name", "layers.0.attention.wq.weight"),
-                           index=int(params.get("index", 0)), bit=int(params.get("bit", 30)))
+                           index=int(params.get("index", 0)), bit=int(params.get("bit", 30)),
+                           persistent=bool(params.get("persistent", False)))
             if self.injector is None:
                 self.injector = BitFlipInjector([], self.rank)
             self.injector.flips.append(flip)

@@ -231,6 +231,8 @@ class FaultHandling:
         detector = _DETECTORS.get(failure.kind, str(failure.kind))
         self._event("failure", failure.message, failure=failure.to_dict(), detected_by=detector,
                     time_to_detect_s=incident["time_to_detect_s"])
+        if failure.kind == FailureKind.SDC:
+            failure = self._failure = self._ask_referee(failure)
         decision = self.failure_policy.decide(failure, self.restarts)
         if failure.ranks or failure.nodes:
             transient = failure.evidence.get("evidence", {}).get("transient") if failure.evidence else None
@@ -251,6 +253,44 @@ class FaultHandling:
             self._exclude |= set(failure.nodes)
         self._fast_ranks = self._fast_path_ranks(failure)
         return self._to(_states().RECOVERING, decision.reason)
+
+    def _ask_referee(self, failure: Failure) -> Failure:
+        """Two replicas that disagreed again on the re-run (a persistent SDC with DP = 2): a spare
+        on a healthy node replays the step; the replica it does not agree with is the culprit."""
+        ev = failure.evidence.get("evidence") or {}
+        request = ev.get("referee")
+        if not request or self._referee is None or not self.options.referee:
+            return failure
+        from workers.referee import decide
+
+        suspects = self._nodes([int(r) for r in request.get("dp_group", [])])
+        exclude = set(suspects) | self.nodes.in_state("quarantined", "dead") | set(self._cordoned)
+        step = request.get("step")
+        self._event("referee_started", f"replicas {request.get('dp_group')} disagree again on the re-run of "
+                    f"step {step}: replaying it on a spare outside node(s) {list(suspects)}",
+                    step=step, dp_group=request.get("dp_group"), suspects=list(suspects))
+        try:
+            result = dict(self._referee(self.run_cfg, request, exclude))
+        except Exception as e:  # noqa: BLE001 - a referee that cannot run names nobody
+            result = {"error": f"{type(e).__name__}: {e}"}
+        culprits, healthy = decide(request, result)
+        record = {**{k: v for k, v in request.items() if k != "snapshot"}, "node": result.get("node"),
+                  "fingerprint": result.get("fingerprint"), "culprits": culprits, "healthy": healthy}
+        if not culprits:
+            why = result.get("error") or "its result matches neither replica"
+            self._event("referee_inconclusive", f"the referee could not tell the replicas apart: {why}",
+                        step=step, referee={**record, "error": why})
+            return failure
+        nodes = self._nodes(culprits)
+        self._event("referee", f"a spare on node {result.get('node')} replayed step {step}: rank(s) "
+                    f"{healthy} computed it correctly, rank(s) {culprits} on node(s) {list(nodes)} did not",
+                    step=step, referee=record)
+        evidence = {**failure.evidence, "ranks": culprits,
+                    "evidence": {**ev, "referee": record, "ambiguous": False,
+                                 "attribution": "referee replay on a spare"}}
+        return Failure(FailureKind.SDC, f"persistent SDC at step {step} on rank(s) {culprits} (a spare on "
+                       f"{result.get('node')} reproduced the other replica)", tuple(culprits), nodes,
+                       failure.step, evidence=evidence)
 
     def _mark_node(
         self, node: str, failure: Failure, *, quarantine: bool = False, dead: bool = False

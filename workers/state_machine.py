@@ -124,6 +124,7 @@ class ControllerOptions:
     straggler_steps: int = 3  # ...this many steps in a row: a straggler
     straggler_action: str = "restart"  # "restart" (off its node) or "report"
     failure_grace_s: float = 5.0  # ranks failed while others are unresponsive: wait this long to blame
+    referee: bool = True  # DP = 2 replicas disagreeing persistently: replay the step on a spare
 
 
 class ControllerStateMachine(FaultHandling):
@@ -142,9 +143,11 @@ class ControllerStateMachine(FaultHandling):
         wall_clock: Callable[[], float] = time.time,
         node_killer: Callable[[str], None] | None = None,
         checkpoint_ops: Any = None,
+        referee: Callable[[RunConfig, Mapping[str, Any], Collection[str]], dict[str, Any]] | None = None,
     ) -> None:
         """`node_killer(name)` removes a node (kill_node faults); `checkpoint_ops` has
-        `verify(path)` (raises on a damaged checkpoint) and `corrupt(path, which, mode)`."""
+        `verify(path)` (raises on a damaged checkpoint) and `corrupt(path, which, mode)`;
+        `referee(run_cfg, request, exclude_nodes)` replays a step on a spare (workers.referee)."""
         self.job_id = job_id
         self.run_cfg = run_cfg
         self.wg = worker_group
@@ -177,6 +180,7 @@ class ControllerStateMachine(FaultHandling):
                                         self.options.straggler_steps)
         self._node_killer = node_killer
         self._ckpt_ops = checkpoint_ops
+        self._referee = referee
         self._inbox: list[tuple[int, dict[str, Any]]] = []
         self._markers: dict[int, tuple[int, int]] = {}  # rank -> (step, 0 stepped | 1 in the collective)
         self._failed_since: float | None = None

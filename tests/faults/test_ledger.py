@@ -22,12 +22,13 @@ from workers.topology import Topology
 def test_fault_specs_are_validated_with_the_field_named():
     assert normalize_fault({"kind": "bitflip", "rank": 1, "at_step": 3}) == {
         "kind": "bitflip", "rank": 1, "at_step": 3, "phase": "step", "target": "param",
-        "name": "layers.0.attention.wq.weight", "index": 0, "bit": 30}
+        "name": "layers.0.attention.wq.weight", "index": 0, "bit": 30, "persistent": False}
     assert normalize_fault({"kind": "slow_rank", "rank": 0, "at_step": 1})["seconds"] == 1.0
     for bad, field in [({"kind": "melt", "at_step": 1}, "kind"),
                        ({"kind": "kill_rank", "at_step": 1}, "rank"),
                        ({"kind": "kill_node", "at_step": 1}, "node"),
                        ({"kind": "bitflip", "rank": 0, "at_step": 1, "bit": 64}, "bit"),
+                       ({"kind": "bitflip", "rank": 0, "at_step": 1, "persistent": "yes"}, "persistent"),
                        ({"kind": "hang_rank", "rank": 0, "at_step": 1, "phase": "lunch"}, "phase"),
                        ({"kind": "corrupt_checkpoint", "at_step": 1, "which": "../x"}, "which")]:
         with pytest.raises(FaultError, match=field):

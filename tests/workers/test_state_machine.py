@@ -329,6 +329,51 @@ def test_an_integrity_error_is_an_sdc_failure_blaming_the_ranks_the_engine_named
     assert failure["nodes"] == [wg.reserved.ranks[2].node_name]
 
 
+def _persistent_pair(sm, wg, referee_result):
+    """Ranks 0 and 2 (one DP pair) disagree again on the re-run; the referee answers `referee_result`."""
+    calls = []
+
+    def referee(run_cfg, request, exclude):
+        calls.append((request["snapshot"], sorted(exclude)))
+        if isinstance(referee_result, Exception):
+            raise referee_result
+        return referee_result
+
+    sm._referee = referee
+    request = {"snapshot": "/ckpt/referee/step-3.pt", "step": 3, "dp_group": [0, 2],
+               "fingerprints": {"0": "aa", "2": "bb"}}
+    err = {"kind": "integrity_error", "error_kind": "divergent_replicas", "step": 3, "ranks": [0, 2],
+           "evidence": {"attribution": "rerun from the pre-step snapshot", "transient": False,
+                        "referee": request}, "message": "divergent_replicas at step 3 on ranks [0, 2]"}
+    wg.push(running(4, state={r: "failed" for r in range(4)}, error={r: "IntegrityError" for r in range(4)},
+                    events={r: [dict(err, rank=r)] for r in range(4)}))
+    assert sm.step().to_state == S.RECOVERING
+    return calls
+
+
+@pytest.mark.parametrize("culprit", [0, 2])
+def test_a_referee_names_the_replica_it_does_not_reproduce(culprit):
+    sm, wg, _ = to_running()
+    healthy = 2 if culprit == 0 else 0
+    fingerprint = {"0": "aa", "2": "bb"}[str(healthy)]
+    calls = _persistent_pair(sm, wg, {"fingerprint": fingerprint, "node": "spare-node", "step": 3})
+    nodes = {r: wg.reserved.ranks[r].node_name for r in (0, 2)}
+    assert calls == [("/ckpt/referee/step-3.pt", sorted(set(nodes.values())))]  # the suspects stay out
+    assert kinds(sm).index("referee_started") < kinds(sm).index("referee") < kinds(sm).index("attributed")
+    failure = sm._failure
+    assert failure.ranks == (culprit,) and failure.nodes == (nodes[culprit],)
+    assert failure.evidence["evidence"]["referee"]["healthy"] == [healthy]
+    assert sm.quarantined_nodes == [nodes[culprit]]
+
+
+def test_an_inconclusive_referee_leaves_both_replicas_under_suspicion():
+    for answer in ({"fingerprint": "cc", "node": "spare-node", "step": 3}, RuntimeError("no spare")):
+        sm, wg, _ = to_running()
+        _persistent_pair(sm, wg, answer)
+        assert "referee" not in kinds(sm) and "referee_inconclusive" in kinds(sm)
+        assert sm._failure.ranks == (0, 2)
+
+
 def test_a_long_checkpoint_save_is_not_a_hang():
     sm, wg, _ = to_running()
     wg.push(running(4, events=step_events(4, 2, 3.0)))
