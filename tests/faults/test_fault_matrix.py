@@ -1,5 +1,6 @@
 """The seeded fault matrix of issue 6 (`make test-faults`): every fault kind x {early, mid-run,
-during a checkpoint save}, plus the replicas' majority vote (DP 3), a harmful gradient bit flip
+during a checkpoint save}, a persistent bit flip with two replicas settled by a spare (same three
+timings), plus the replicas' majority vote (DP 3), a harmful gradient bit flip
 (exponent, > 2^10), a replan when a node's loss leaves too little capacity, and a spent restart
 budget. Killing the service, at the same three timings, is test_service_kill_matrix.py; a replan
 that changes the TP degree and the ZeRO stage is test_replan_layouts.py."""
@@ -85,6 +86,25 @@ def test_matrix(kind, timing, tmp_path, revive_nodes):
     restore = events(snap, "restore")[0]
     assert restore["step"] in snap["faults"]["verified_steps"] or restore["step"] == 0
     assert restore["step"] not in snap["faults"]["corrupt_steps"]
+
+
+@pytest.mark.parametrize("timing", list(TIMINGS))
+def test_matrix_persistent_sdc_with_two_replicas_is_settled_by_a_spare(timing, tmp_path):
+    """A faulty device (the flip recurs on the re-run): a spare replays the step and names it."""
+    rng = random.Random(f"{SEED}-persistent-{timing}")
+    victim = rng.randrange(2)
+    flip = {"kind": "bitflip", "rank": victim, "at_step": TIMINGS[timing], "target": "param", "bit": 30,
+            "index": rng.randrange(1024), "persistent": True}
+    cfg = job_cfg(str(tmp_path / "ckpt"))
+    snap = run_job(f"fm-persistent-{timing}", cfg, options(flip))
+    assert_succeeded_like_fault_free(snap, cfg)
+    assert_in_order(snap, ["fault_injected", "integrity_error", "failure", "referee_started", "referee",
+                           "attributed", "node_quarantined", "restart", "restore", "resumed", "finished"])
+    referee = events(snap, "referee")[0]["referee"]
+    assert referee["culprits"] == [victim] and referee["healthy"] == [1 - victim]
+    attributed = events(snap, "attributed")[0]
+    assert attributed["ranks"] == [victim] and snap["quarantined_nodes"] == attributed["nodes"]
+    assert_kept_off(snap, attributed["nodes"][0], "node_quarantined")
 
 
 def test_majority_vote_names_the_replica_with_dp3(tmp_path):
