@@ -300,11 +300,10 @@ class DDP(_DataParallel):
                 self.late_rereductions += 1
         with torch.no_grad():
             for bucket in self._buckets:
-                bucket.buffer.div_(self.world_size)
                 for p, view in zip(bucket.params, bucket.views, strict=True):
-                    if p.grad is not None:
-                        local_tensor(p.grad).copy_(view)
+                    if p.grad is not None:  # average and copy back in one pass over the memory
+                        torch.div(view, self.world_size, out=local_tensor(p.grad))
                     elif not isinstance(p, DTensor) and bool(view.any()):
-                        p.grad = view.clone()
+                        p.grad = view / self.world_size
                 bucket.reset()
         self._next_to_launch = 0
