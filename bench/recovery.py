@@ -121,8 +121,11 @@ def run_ray_train(steps: int, every: int, kill_at: int, root: str) -> dict[str, 
     killed = json.loads(Path(config["marker"]).read_text())
     lines = [json.loads(x) for x in Path(config["log"]).read_text().splitlines()]
     after = [x for x in lines if x["t"] > killed["t"]]
-    restored = next(x["restored"] for x in after if "restored" in x)
-    first = next(x for x in after if "step" in x)
+    # rank 0 may log the kill step itself just after rank 1 died: the first step that counts is
+    # the first one logged after the restore.
+    at = next(i for i, x in enumerate(after) if "restored" in x)
+    restored = after[at]["restored"]
+    first = next(x for x in after[at:] if "step" in x)
     return {"kill_to_step_s": first["t"] - killed["t"], "lost": killed["step"] - restored,
             "restored": restored, "kill_step": killed["step"],
             "digest": json.loads(Path(config["result"]).read_text())["digest"]}

@@ -23,6 +23,7 @@ from typing import Any
 
 from training.config import RunConfig
 from workers.policies import FailurePolicy, ScalingPolicy
+from workers.rank import warm_imports
 from workers.referee import RayReferee
 from workers.state_machine import (
     JOB_STATE,
@@ -66,6 +67,7 @@ class JobController:
         from workers.worker_group import RayWorkerGroup
 
         opts = options or ControllerOptions()
+        warm_imports(("training.checkpoint",))  # the first scrub must not stall the loop on `import torch`
         self._wake = threading.Event()
         self._closed = threading.Event()
         group = RayWorkerGroup(

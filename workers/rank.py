@@ -40,6 +40,27 @@ RANK_FAULT_KINDS = ("kill_rank", "hang_rank", "slow_rank", "bitflip", "kill_node
 ACTIONS = ("checkpoint", "stop", "checkpoint_and_stop")
 
 
+# What a rank (and the controller, for checkpoint scrubbing) imports before its first use: torch
+# and the engine take seconds to import, which a replacement rank or the first scrub would
+# otherwise spend on the recovery path.
+WARM_MODULES = ("torch", "torch.distributed.checkpoint", "training.checkpoint", "training.train")
+
+
+def warm_imports(modules: tuple[str, ...] = WARM_MODULES) -> threading.Thread:
+    """Import `modules` in a background thread (the import lock makes a later import wait for it)."""
+
+    def run() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception as e:  # noqa: BLE001 - the real import will report it
+                log.debug("warm import of %s failed: %s", name, e)
+
+    thread = threading.Thread(target=run, name="lattice-warm-imports", daemon=True)
+    thread.start()
+    return thread
+
+
 def import_callable(path: str) -> Callable[..., Any]:
     """'package.module:function' -> the function."""
     module, _, name = path.partition(":")
@@ -141,6 +162,7 @@ class RankActor:
         self._flips_reported = 0
         self._restore_steps: set[int] | None = None
         self._attempts = 0
+        warm_imports()  # a replacement rank imports the engine while its peers reset
 
     # ---- where am I -------------------------------------------------------------------------
     def where(self) -> dict[str, Any]:
@@ -278,6 +300,8 @@ class RankActor:
                and f["kind"] not in ("bitflip", "corrupt_checkpoint")]
         for fault in due:
             self._faults.remove(fault)
+            if fault["kind"] == "kill_rank":
+                self._controller()  # look it up first: the fault's time is the death, not the lookup
             info = {"fault": fault["kind"], "step": step, "phase": phase, "t_fault": time.time()}
             if fault["kind"] == "kill_node":  # the controller removes the node (ours dies with it)
                 self._trigger({**fault, "step": step, "phase": phase})
@@ -321,14 +345,28 @@ class RankActor:
                                             "name": flip.name, "index": flip.index, "bit": flip.bit})
         self._flips_reported = len(applied)
 
+    def _controller(self) -> Any:
+        """This job's controller actor (looked up once), or None without one."""
+        if getattr(self, "_controller_handle", None) is None:
+            try:
+                import ray
+
+                from workers.controller import NAMESPACE, controller_name
+
+                self._controller_handle = ray.get_actor(controller_name(self.job_id), namespace=NAMESPACE)
+            except Exception as e:  # noqa: BLE001 - no controller (a bare group in a test)
+                log.debug("rank %d: no controller: %s", self.rank, e)
+                return None
+        return self._controller_handle
+
     def _tell_controller(self, kind: str, data: dict[str, Any]) -> None:
         """Deliver an event that must outlive this process (best effort, bounded wait)."""
         try:
             import ray
 
-            from workers.controller import NAMESPACE, controller_name
-
-            handle = ray.get_actor(controller_name(self.job_id), namespace=NAMESPACE)
+            handle = self._controller()
+            if handle is None:
+                return
             event = {"kind": kind, "rank": self.rank, "t": time.time(), **data}
             ray.get(handle.report.remote(self.rank, event), timeout=5.0)
         except Exception as e:  # noqa: BLE001 - no controller (a bare group in a test), or it is gone

@@ -265,8 +265,9 @@ class RayWorkerGroup(WorkerGroup):
             for r in doomed:
                 self._actors[r] = self._new_actor(placement.ranks[r], world)
             timeout = self.start_timeout_s
+            resets = [self._actors[r].reset.remote() for r in survivors]  # while the new ones start
             where = ray.get([self._actors[r].where.remote() for r in sorted(doomed)], timeout=timeout)
-            done = ray.get([self._actors[r].reset.remote() for r in survivors], timeout=timeout)
+            done = ray.get(resets, timeout=timeout)
         except (RayActorError, GetTimeoutError, ActorUnavailableError) as e:
             raise WorkerGroupError(f"fast path: replacement ranks did not start: {e}") from e
         stuck = [r for r, ok in zip(survivors, done, strict=True) if not ok]
