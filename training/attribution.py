@@ -137,14 +137,23 @@ class StepSnapshot:
                 local_tensor(p.detach()).copy_(buf)
                 p.grad = None
             for opt, saved in zip(self.optimizers, self._optim, strict=True):
-                for i, p in enumerate(q for g in opt.param_groups for q in g["params"]):
-                    if i in saved:
-                        opt.state[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                        for k, v in saved[i].items()}
-                    else:
-                        opt.state.pop(p, None)
+                load_optimizer_state(opt, saved)
         if self._rng is not None:
             torch.set_rng_state(self._rng)
+
+    def state(self) -> dict[str, Any]:
+        """What `capture` kept (step, parameters, optimizer state by parameter index, RNG)."""
+        assert self.step is not None, "state() before capture()"
+        return {"step": self.step, "params": self._params, "optim": self._optim, "rng": self._rng}
+
+
+def load_optimizer_state(opt: Any, saved: dict[int, dict[str, Any]]) -> None:
+    """Set `opt`'s per-parameter state from `saved` (by index over its param groups), as copies."""
+    for i, p in enumerate(q for g in opt.param_groups for q in g["params"]):
+        if i in saved:
+            opt.state[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in saved[i].items()}
+        else:
+            opt.state.pop(p, None)
 
 
 def rerun_verdict(first: FingerprintVote, rerun: FingerprintVote) -> tuple[list[int], bool, dict[str, Any]]:

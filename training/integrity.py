@@ -177,16 +177,24 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
+def _split_fingerprint(fingerprint: int) -> list[int]:
+    """A 128-bit fingerprint as 4 x 32-bit words (each fits an int64 exactly)."""
+    return [(fingerprint >> (32 * i)) & 0xFFFFFFFF for i in range(4)]
+
+
+def _join_fingerprint(words: Sequence[int]) -> int:
+    return sum(int(w) << (32 * i) for i, w in enumerate(words))
+
+
 def vote_fingerprints(fingerprint: int, dp_group: dist.ProcessGroup | None) -> FingerprintVote:
     """All-gather every replica's 128-bit fingerprint over `dp_group` (None = world) and vote."""
     group = dp_group if dp_group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(group)
-    words = [(fingerprint >> (32 * i)) & 0xFFFFFFFF for i in range(4)]  # 4 x 32 bits fit int64 exactly
-    mine = torch.tensor(words, dtype=torch.int64, device=_collective_device(group))
+    mine = torch.tensor(_split_fingerprint(fingerprint), dtype=torch.int64, device=_collective_device(group))
     gathered = torch.empty(len(ranks) * 4, dtype=torch.int64, device=mine.device)
     dist.all_gather_single(gathered, mine, group=group)
     rows = gathered.view(len(ranks), 4).cpu().tolist()
-    values = [sum(int(w) << (32 * i) for i, w in enumerate(row)) for row in rows]
+    values = [_join_fingerprint(row) for row in rows]
     return vote(values, ranks)
 
 
@@ -201,9 +209,7 @@ def summarize_step(
     ranks in `dp_group` (None = world). The loss travels as its float64 bits, so it is exact.
     """
     world = dist.get_world_size()
-    fp = fingerprint or 0
-    words = [struct.unpack("<q", struct.pack("<d", loss))[0]]
-    words += [(fp >> (32 * i)) & 0xFFFFFFFF for i in range(4)]  # 4 x 32 bits fit int64 exactly
+    words = [struct.unpack("<q", struct.pack("<d", loss))[0], *_split_fingerprint(fingerprint or 0)]
     mine = torch.tensor(words, dtype=torch.int64, device=device)
     gathered = torch.empty(world * 5, dtype=torch.int64, device=device)
     dist.all_gather_single(gathered, mine)
@@ -213,7 +219,7 @@ def summarize_step(
         return total / contributors, None
     group = dp_group if dp_group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(group)
-    values = [sum(int(w) << (32 * i) for i, w in enumerate(rows[r][1:])) for r in ranks]
+    values = [_join_fingerprint(rows[r][1:]) for r in ranks]
     return total / contributors, vote(values, ranks)
 
 

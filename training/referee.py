@@ -4,11 +4,12 @@ With DP = 2, a fingerprint mismatch has no majority, and re-running the step fro
 snapshot tells a transient fault (the re-run agrees) from a persistent one (it disagrees again),
 but not which replica is wrong: each re-runs on its own, possibly faulty, hardware. A third
 party decides: a spare process on a healthy node loads the pre-step snapshot one replica wrote
-(`save_referee_snapshot`), replays the whole data-parallel step alone (`replay_step`: both
-replicas' slices one after the other, their gradients summed and averaged as the all-reduce
-does, the same clipping and optimizer step) and fingerprints the result. The replica whose
-fingerprint equals the referee's computed the step correctly; the other is the culprit. Matching
-is exact, so a referee that cannot reproduce the step bit for bit names nobody (`verdict`).
+(`save_referee_snapshot` of a `StepSnapshot.state()`), replays the whole data-parallel step
+alone (`replay_step`: both replicas' slices one after the other, their gradients summed and
+averaged as the all-reduce does, the same clipping and optimizer step) and fingerprints the
+result. The replica whose fingerprint equals the referee's computed the step correctly; the
+other is the culprit. Matching is exact, so a referee that cannot reproduce the step bit for
+bit names nobody (`verdict`).
 
 Scope: the replica must be the whole model on one rank (tp = pp = cp = 1, ZeRO-0: what the
 pre-step snapshot covers), and two replicas, whose sum the all-reduce computes in one addition.
@@ -19,11 +20,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from training.attribution import load_optimizer_state
 from training.config import RunConfig
 from training.data import make_data_source
 from training.integrity import param_fingerprint
@@ -46,14 +48,12 @@ def referee_snapshot_path(ckpt_dir: str, step: int) -> str:
     return os.path.join(ckpt_dir, REFEREE_DIR, f"step-{step}.pt")
 
 
-def save_referee_snapshot(path: str, step: int, params: Sequence[torch.Tensor],
-                          optim_state: Sequence[Mapping[int, Mapping[str, Any]]],
-                          rng: torch.Tensor | None, data_state: Mapping[str, Any]) -> str:
-    """Write the pre-step state (parameters, optimizer state, RNG, data position) atomically."""
+def save_referee_snapshot(path: str, state: Mapping[str, Any]) -> str:
+    """Write a pre-step `StepSnapshot.state()` (parameters, optimizer state, RNG) atomically."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp"
-    torch.save({"step": step, "params": [p.detach().cpu() for p in params],
-                "optim": [dict(s) for s in optim_state], "rng": rng, "data": dict(data_state)}, tmp)
+    torch.save({"step": int(state["step"]), "params": [p.detach().cpu() for p in state["params"]],
+                "optim": [dict(s) for s in state["optim"]], "rng": state["rng"]}, tmp)
     os.replace(tmp, path)
     return path
 
@@ -91,10 +91,7 @@ def replay_step(cfg: RunConfig, snapshot_path: str) -> dict[str, Any]:
         clip_grad_norm([model], cfg.optim.grad_clip, None)
     opt = build_optimizer([model], Layout(), cfg, None)
     (saved_state,) = snap["optim"]
-    for i, p in enumerate(q for g in opt.param_groups for q in g["params"]):
-        if i in saved_state:
-            opt.state[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                            for k, v in saved_state[i].items()}
+    load_optimizer_state(opt, saved_state)
     opt.step()
     fingerprint = f"{param_fingerprint([model]):032x}"
     log.info("referee replayed step %d: fingerprint %s", step, fingerprint)

@@ -417,8 +417,7 @@ def _maybe_write_referee_snapshot(trainer: Trainer, step: int, first: Fingerprin
         return None
     path = referee_snapshot_path(cfg.checkpoint.dir, step)
     if trainer.ctx.rank == min(first.ranks):
-        snap = trainer.snapshot
-        save_referee_snapshot(path, step, snap._params, snap._optim, snap._rng, trainer.data.state_dict())
+        save_referee_snapshot(path, trainer.snapshot.state())
     prints = {str(r): f"{f:032x}" for r, f in zip(first.ranks, first.fingerprints, strict=True)}
     return {"snapshot": path, "step": step, "dp_group": list(first.ranks), "fingerprints": prints}
 

@@ -51,7 +51,7 @@ class RayReferee:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        topology = Topology.from_ray(cordoned=list(exclude), include_dead=False)
+        topology = Topology.from_ray(include_dead=False)
         name = choose_spare_node(topology, exclude)
         if name is None:
             return {"error": "no free GPU on a healthy node outside the suspects for a spare"}

@@ -23,7 +23,7 @@ from tests.ray_fixture import ray_cluster
 from workers.controller import kill_controller
 from workers.topology import Topology
 
-__all__ = ["LiveService", "make_service", "ray_cluster", "wait_for"]
+__all__ = ["LiveService", "all_events", "make_service", "ray_cluster", "wait_for"]
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -40,6 +40,20 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval
 
 def wait_for_free_gpus(n: int = 16, timeout_s: float = 60.0) -> None:
     wait_for(lambda: Topology.from_ray().gpus_free == n, timeout_s, f"{n} free GPUs")
+
+
+def all_events(fetch: Callable[[int], httpx.Response]) -> list[dict[str, Any]]:
+    """Every event of a job, following `next_after` (`fetch(after)` GETs one page)."""
+    items: list[dict[str, Any]] = []
+    after = 0
+    while True:
+        r = fetch(after)
+        assert r.status_code == 200, r.text
+        page = r.json()
+        items += page["items"]
+        if page["next_after"] is None:
+            return items
+        after = page["next_after"]
 
 
 class LiveService:
@@ -103,14 +117,8 @@ class LiveService:
         return r.json()
 
     def events(self, job_id: str) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = []
-        after = 0
-        while True:
-            page = self.api("GET", f"/v1/jobs/{job_id}/events", params={"after": after, "limit": 1000}).json()
-            items += page["items"]
-            if page["next_after"] is None:
-                return items
-            after = page["next_after"]
+        return all_events(lambda after: self.api("GET", f"/v1/jobs/{job_id}/events",
+                                                 params={"after": after, "limit": 1000}))
 
     def wait_state(self, job_id: str, states: tuple[str, ...], timeout_s: float = 240) -> dict[str, Any]:
         return wait_for(lambda: (lambda j: j if j["state"] in states else None)(self.job(job_id)),

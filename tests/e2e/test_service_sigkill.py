@@ -23,8 +23,8 @@ import pytest
 import ray
 
 from service.schemas import JobSpec
-from tests.e2e.conftest import wait_for, wait_for_free_gpus
-from tests.faults.harness import fault_free_digest
+from tests.e2e.conftest import all_events, wait_for, wait_for_free_gpus
+from tests.faults.harness import fault_free_digest, service_job_spec
 from training.config import RunConfig
 from training.dist import free_port
 from training.layout import Layout
@@ -35,16 +35,10 @@ pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
 TERMINAL = ("succeeded", "failed", "cancelled")
 SEED, STEPS, EVERY, DP = 11, 24, 4, 2
+# Every rank equally slow keeps the job running across the kill and the restart without making
+# any rank a straggler (that would restart the ranks off their node); it does not change the maths.
 SPEC: dict[str, Any] = {
-    "name": "e2e-sigkill",
-    "model": {"layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seq_len": 16},
-    "data": {"kind": "synthetic", "seed": SEED},
-    "train": {"steps": STEPS, "global_batch": DP, "lr": 0.003, "seed": SEED},
-    "parallelism": {"dp": DP},
-    "resources": {"gpus": DP},
-    "checkpoint": {"every_steps": EVERY, "keep": 3},
-    # Every rank equally slow keeps the job running across the kill and the restart without making
-    # any rank a straggler (that would restart the ranks off their node); it does not change the maths.
+    **service_job_spec("e2e-sigkill", steps=STEPS, every=EVERY, seed=SEED, dp=DP),
     "faults": [{"kind": "slow_rank", "rank": r, "at_step": 1, "seconds": 0.75} for r in range(DP)],
 }
 
@@ -117,16 +111,7 @@ class Api:
         return r.json()
 
     def events(self, job_id: str) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = []
-        after = 0
-        while True:
-            r = self.get(f"/v1/jobs/{job_id}/events", after=after, limit=1000)
-            assert r.status_code == 200, r.text
-            page = r.json()
-            items += page["items"]
-            if page["next_after"] is None:
-                return items
-            after = page["next_after"]
+        return all_events(lambda after: self.get(f"/v1/jobs/{job_id}/events", after=after, limit=1000))
 
 
 def run_config() -> RunConfig:

@@ -31,6 +31,19 @@ def job_cfg(ckpt_dir: str, layout: Layout | None = None, steps: int = STEPS, eve
                      checkpoint=CheckpointConfig(dir=ckpt_dir, every_steps=every))
 
 
+def service_job_spec(name: str, *, steps: int, every: int, seed: int, dp: int = 2) -> dict[str, Any]:
+    """The API spec of a tiny seeded DP job, for the tests that drive a real service."""
+    return {
+        "name": name,
+        "model": {"layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seq_len": 16},
+        "data": {"kind": "synthetic", "seed": seed},
+        "train": {"steps": steps, "global_batch": dp, "lr": 0.003, "seed": seed},
+        "parallelism": {"dp": dp},
+        "resources": {"gpus": dp},
+        "checkpoint": {"every_steps": every, "keep": 3},
+    }
+
+
 def options(*faults: dict[str, Any], **kw: Any) -> ControllerOptions:
     base = {"poll_interval_s": 0.2, "hang_timeout_s": 4.0, "startup_timeout_s": 120.0,
             "failure_grace_s": 3.0, "rank_poll_timeout_s": 5.0, "checkpoint_timeout_s": 8.0}

@@ -28,7 +28,12 @@ import ray
 from service import store
 from service.schemas import JobSpec
 from tests.e2e.conftest import LiveService, make_service, wait_for
-from tests.faults.harness import assert_every_sample_once, fault_free_digest, wait_for_free_gpus
+from tests.faults.harness import (
+    assert_every_sample_once,
+    fault_free_digest,
+    service_job_spec,
+    wait_for_free_gpus,
+)
 from tests.faults.service_gate import TRAIN_FN, gate_env, held_ranks, release
 from training.checkpoint import list_checkpoints
 from training.config import RunConfig
@@ -51,15 +56,7 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 def job_spec(name: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "model": {"layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seq_len": 16},
-        "data": {"kind": "synthetic", "seed": SEED},
-        "train": {"steps": STEPS, "global_batch": DP, "lr": 0.003, "seed": SEED},
-        "parallelism": {"dp": DP},
-        "resources": {"gpus": DP},
-        "checkpoint": {"every_steps": EVERY, "keep": 3},
-    }
+    return service_job_spec(name, steps=STEPS, every=EVERY, seed=SEED, dp=DP)
 
 
 def run_config(spec: dict[str, Any]) -> RunConfig:
