@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.dist import free_port
+from training.parallel.dist import free_port
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
@@ -27,7 +27,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
     threads = max(1, (os.cpu_count() or 1) // world)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
-    from training.dist import default_backend, init_distributed, shutdown
+    from training.parallel.dist import default_backend, init_distributed, shutdown
 
     backend = default_backend()
     if backend == "nccl" and torch.cuda.device_count() < world:
@@ -81,8 +81,8 @@ def build_bench_model(seed: int, device: torch.device) -> tuple[nn.Module, Calla
     """
     vocab = 2048
     try:
-        from training.model import build_model, cross_entropy_loss
-        from training.spec import ModelSpec
+        from training.config.spec import ModelSpec
+        from training.model.transformer import build_model, cross_entropy_loss
 
         spec = ModelSpec(layers=6, hidden=512, heads=8, vocab=vocab, seq_len=128, name="bench-21m")
         model = build_model(spec, seed=seed, device=device)

@@ -4,7 +4,7 @@
     python -m bench.cp --seq 2048 --cps 1,2 --steps 2
 
 Per CP degree, every rank runs `ring_attention` forward + backward on its load-balanced shard
-(training/context_parallel.py). Printed per rank (the slowest rank, all-reduce MAX):
+(training/parallel/context.py). Printed per rank (the slowest rank, all-reduce MAX):
 - step: wall time of forward + backward; cpu: CPU seconds of the process in that step (on a
   machine with fewer cores than ranks the wall time includes waiting for a core, the CPU time not);
 - saved: bytes of the tensors autograd keeps for backward, counted with
@@ -37,7 +37,7 @@ from bench._common import machine, median, spawn, table
 from service.planner import get_gpu
 from service.planner.costmodel import OVERLAP_SLOWDOWN
 from service.planner.formulas import activation_bytes_per_layer, cp_ring_bytes_per_layer
-from training.context_parallel import ring_attention, shard_sequence
+from training.parallel.context import ring_attention, shard_sequence
 
 
 class _SavedBytes:

@@ -92,7 +92,7 @@ def runtime_seq_len(spec: dict[str, Any]) -> int:
 def _timed_train(ctx: Any, cfg_dict: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from training.config import RunConfig
+    from training.config.run import RunConfig
     from training.train import TrainHooks, train
 
     torch.set_num_threads(1)
@@ -110,7 +110,7 @@ def _timed_train(ctx: Any, cfg_dict: dict[str, Any]) -> dict[str, Any]:
 def _direct_rank(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from training.dist import DistContext
+    from training.parallel.dist import DistContext
 
     ctx = DistContext(rank=rank, world_size=world, device=torch.device("cpu"), backend="gloo")
     return _timed_train(ctx, cfg_dict)
@@ -136,7 +136,7 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from training.dist import DistContext
+    from training.parallel.dist import DistContext
 
     ctx = DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), device=torch.device("cpu"),
                       backend=dist.get_backend())
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     from service.runtime import Runtime
     from service.schemas import JobSpec
     from service.settings import Settings
-    from training.layout import Layout
+    from training.config.layout import Layout
 
     spec = yaml.safe_load(DEMO_SPEC.read_text())
     if args.steps:

@@ -2,7 +2,7 @@
 
 For each schedule torch runs (GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble,
 ZBVZeroBubble, DualPipeV) this runs the project's model split over `p` pipeline ranks
-(training.pipeline, real gloo point-to-point) for `m` micro-batches and times the step. The
+(training.parallel.pipeline, real gloo point-to-point) for `m` micro-batches and times the step. The
 bubble-free time is the same model's forward + backward over the same global batch in one
 process, divided by p (a perfect split of the work). The measured overhead is then
 
@@ -28,12 +28,12 @@ import time
 import torch
 
 from bench._common import machine, median, spawn, table
-from training.config import OptimConfig, RunConfig
-from training.layout import Layout
-from training.mesh import ParallelDims
-from training.model import build_model, cross_entropy_loss
-from training.pipeline import build_pipeline
-from training.spec import ModelSpec
+from training.config.layout import Layout
+from training.config.run import OptimConfig, RunConfig
+from training.config.spec import ModelSpec
+from training.model.transformer import build_model, cross_entropy_loss
+from training.parallel.mesh import ParallelDims
+from training.parallel.pipeline import build_pipeline
 
 SCHEDULES: list[tuple[str, int]] = [
     ("gpipe", 1),

@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from training.config import CheckpointConfig, RunConfig
-from training.layout import Layout
-from training.spec import ModelSpec
+from training.config.layout import Layout
+from training.config.run import CheckpointConfig, RunConfig
+from training.config.spec import ModelSpec
 
 SPEC = ModelSpec(layers=2, hidden=64, heads=4, vocab=256, seq_len=32)
 
@@ -73,7 +73,7 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from training.dist import DistContext
+    from training.parallel.dist import DistContext
     from training.train import StepInfo, TrainHooks, train
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from bench._common import machine, spawn, table
-from training.config import IntegrityConfig, RunConfig
-from training.layout import Layout
-from training.spec import ModelSpec
+from training.config.layout import Layout
+from training.config.run import IntegrityConfig, RunConfig
+from training.config.spec import ModelSpec
 
 BIT_CLASSES = {"sign": [31], "exponent": list(range(23, 31)), "mantissa": list(range(0, 23))}
 
@@ -55,9 +55,9 @@ def _max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> flo
 
 
 def _bench(rank: int, world: int, args: dict) -> dict[str, Any]:
-    from training.dist import DistContext
-    from training.integrity import BitFlip, BitFlipInjector
-    from training.model import Transformer
+    from training.integrity.fingerprint import BitFlip, BitFlipInjector
+    from training.model.transformer import Transformer
+    from training.parallel.dist import DistContext
     from training.train import Action, Trainer, TrainHooks, train
 
     ctx = DistContext(rank, world, torch.device("cpu"), "gloo")

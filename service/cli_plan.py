@@ -23,8 +23,8 @@ from service.planner import (
     plan,
 )
 from service.planner.layout_text import parse_layout
-from training.layout import LayoutError
-from training.spec import ModelSpec, SpecError
+from training.config.layout import LayoutError
+from training.config.spec import ModelSpec, SpecError
 
 GiB = 1024**3
 

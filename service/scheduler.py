@@ -52,7 +52,7 @@ from service.scheduler_sync import (
 from service.schemas import JobSpec
 from service.settings import Settings
 from service.store.models import ACTIVE_STATES, Job, JobEvent, JobState
-from training.layout import Layout
+from training.config.layout import Layout
 from workers.controller import (
     NAMESPACE,
     ControllerExists,

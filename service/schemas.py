@@ -2,7 +2,7 @@
 
 Validation lives here, so every way into Lattice (HTTP, CLI, tests) refuses the same bad
 input with the same message, naming the field and what is allowed. The model shape and the
-layout are validated by their owners (training.spec.ModelSpec, training.layout.Layout); this
+layout are validated by their owners (training.config.spec.ModelSpec, training.config.layout.Layout); this
 module only translates their errors into field errors.
 """
 
@@ -22,10 +22,10 @@ from pydantic import (
     model_validator,
 )
 
-from training.compat import check_layout_for_model
-from training.config import CheckpointConfig, DataConfig, IntegrityConfig, OptimConfig, RunConfig
-from training.layout import RECOMPUTE, SCHEDULES, Layout, LayoutError
-from training.spec import ModelSpec, SpecError
+from training.config.layout import RECOMPUTE, SCHEDULES, Layout, LayoutError
+from training.config.run import CheckpointConfig, DataConfig, IntegrityConfig, OptimConfig, RunConfig
+from training.config.spec import ModelSpec, SpecError
+from training.config.validate import check_layout_for_model
 from workers.faults import FaultError, normalize_fault
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class ModelPreset(_Strict):
 
 
 class ModelConfig(_Strict):
-    """An explicit decoder-only transformer (the fields of training.spec.ModelSpec)."""
+    """An explicit decoder-only transformer (the fields of training.config.spec.ModelSpec)."""
 
     layers: int = Field(ge=1, le=100_000, description="Transformer blocks.")
     hidden: int = Field(ge=1, le=_MAX_DEGREE, description="Model width; divisible by heads.")
@@ -152,7 +152,7 @@ class TrainConfig(_Strict):
 
 # ---- parallelism ------------------------------------------------------------------------------
 class LayoutSpec(_Strict):
-    """An explicit parallel layout (the fields of training.layout.Layout)."""
+    """An explicit parallel layout (the fields of training.config.layout.Layout)."""
 
     tp: int = Field(1, ge=1, le=_MAX_DEGREE, description="Tensor parallel degree (inside one node).")
     pp: int = Field(1, ge=1, le=_MAX_DEGREE, description="Pipeline parallel degree.")

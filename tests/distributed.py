@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from training.dist import free_port
+from training.parallel.dist import free_port
 
 
 class RankFailed(AssertionError):
@@ -29,7 +29,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
     import torch
 
     torch.set_num_threads(1)
-    from training.dist import init_distributed, shutdown
+    from training.parallel.dist import init_distributed, shutdown
 
     try:
         init_distributed(rank, world, "127.0.0.1", port, backend="gloo", timeout_s=180)

@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from training.config import DataConfig
-from training.spec import ModelSpec
+from training.config.run import DataConfig
+from training.config.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 

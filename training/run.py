@@ -27,9 +27,9 @@ from typing import Any
 
 import yaml
 
-from training.config import CheckpointConfig, DataConfig, OptimConfig, RunConfig
-from training.layout import Layout, LayoutError
-from training.spec import ModelSpec, SpecError
+from training.config.layout import Layout, LayoutError
+from training.config.run import CheckpointConfig, DataConfig, OptimConfig, RunConfig
+from training.config.spec import ModelSpec, SpecError
 
 log = logging.getLogger("training.run")
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from training.data import DataError
-    from training.dist import init_from_env, shutdown
+    from training.parallel.dist import init_from_env, shutdown
     from training.train import StepInfo, TrainHooks, train
 
     ctx = init_from_env()

@@ -2,8 +2,8 @@
 
     result = train(ctx, cfg, hooks)
 
-Builds the mesh (training.mesh), the model or this rank's pipeline stages on the meta device,
-applies the layout (training.parallelize / training.pipeline), the optimiser and the data
+Builds the mesh (training.parallel.mesh), the model or this rank's pipeline stages on the meta device,
+applies the layout (training.parallel.parallelize / training.parallel.pipeline), the optimiser and the data
 source, restores the newest valid checkpoint, then runs `cfg.steps` optimizer steps. One step:
 
   1. every DP rank reads its disjoint slice of the step's global batch;
@@ -13,12 +13,12 @@ source, restores the newest valid checkpoint, then runs `cfg.steps` optimizer st
   4. the global-batch mean loss (the same on every rank), NaN/Inf and spike checks, and every
      `integrity.fingerprint_every` steps the DP replicas' parameter fingerprints are compared
      (only when replicas must be bitwise equal: ZeRO-0/1 with dp > 1); before the DP reduction
-     each rank also checks its own gradient norm (`hooks.audit`, training.attribution);
+     each rank also checks its own gradient norm (`hooks.audit`, training.integrity.attribution);
   5. the hooks see the progress and may ask for a checkpoint or a stop.
 Control decisions (checkpoint, stop, integrity failure) are agreed by all ranks with one small
 all-reduce per step, so no rank leaves a collective the others are in. A failed check that a vote
 cannot attribute (two replicas disagreeing) is re-run from the pre-step snapshot to find the
-replica that does not reproduce (training.attribution).
+replica that does not reproduce (training.integrity.attribution).
 
 A step whose checks all passed (with a replica comparison where replicas exist) is *verified*
 (`hooks.on_verified`); a restart restores only the checkpoints in `hooks.restore_steps`.
@@ -40,13 +40,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from training.attribution import AuditConfig, LocalGradCheck, StepSnapshot, rerun_verdict
-from training.checkpoint import CheckpointInfo, load_latest_checkpoint, save_checkpoint, wait_pending
-from training.config import RunConfig
+from training.checkpoint.checkpointer import (
+    CheckpointInfo,
+    load_latest_checkpoint,
+    save_checkpoint,
+    wait_pending,
+)
+from training.config.run import RunConfig
 from training.data import make_data_source
-from training.digest import full_state, model_digest
-from training.dist import DistContext
-from training.integrity import (
+from training.integrity.attribution import AuditConfig, LocalGradCheck, StepSnapshot, rerun_verdict
+from training.integrity.digest import full_state, model_digest
+from training.integrity.fingerprint import (
     BitFlipInjector,
     FingerprintVote,
     IntegrityError,
@@ -55,10 +59,12 @@ from training.integrity import (
     param_fingerprint,
     summarize_step,
 )
-from training.mesh import ParallelDims
-from training.model import Transformer
-from training.model import flops_per_token as model_flops_per_token
-from training.parallelize import (
+from training.integrity.referee import referee_snapshot_path, referee_supported, save_referee_snapshot
+from training.model.transformer import Transformer
+from training.model.transformer import flops_per_token as model_flops_per_token
+from training.parallel.dist import DistContext
+from training.parallel.mesh import ParallelDims
+from training.parallel.parallelize import (
     build_optimizer,
     check_layout_for_model,
     clip_grad_norm,
@@ -68,8 +74,7 @@ from training.parallelize import (
     parallelize,
     unwrap,
 )
-from training.pipeline import Pipeline, build_pipeline
-from training.referee import referee_snapshot_path, referee_supported, save_referee_snapshot
+from training.parallel.pipeline import Pipeline, build_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -367,7 +372,7 @@ def _rerun_attribution(
     trainer: Trainer, step: int, shared: IntegrityError, found: list[tuple]
 ) -> IntegrityError:
     """Run `step` again from the pre-step snapshot on every rank and name the rank(s) whose first
-    result did not reproduce (transient) or did (persistent). See training.attribution."""
+    result did not reproduce (transient) or did (persistent). See training.integrity.attribution."""
     first = trainer.last_vote
     trainer.snapshot.restore()  # type: ignore[union-attr]
     trainer.train_step(step, rerun=True)
@@ -410,7 +415,7 @@ def _rerun_attribution(
 def _maybe_write_referee_snapshot(trainer: Trainer, step: int, first: FingerprintVote | None,
                                   rerun: FingerprintVote | None) -> dict[str, Any] | None:
     """Two replicas that disagreed again on the re-run: the lowest rank writes the pre-step
-    snapshot for a referee (training.referee) and every rank returns where it is."""
+    snapshot for a referee (training.integrity.referee) and every rank returns where it is."""
     cfg = trainer.cfg
     if (first is None or rerun is None or rerun.ok or not rerun.ambiguous or not cfg.checkpoint.dir
             or trainer.snapshot is None or not referee_supported(cfg.layout)):

@@ -21,7 +21,7 @@ import time
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from training.config import RunConfig
+from training.config.run import RunConfig
 from workers.policies import FailurePolicy, ScalingPolicy
 from workers.rank import warm_imports
 from workers.referee import RayReferee
@@ -67,7 +67,7 @@ class JobController:
         from workers.worker_group import RayWorkerGroup
 
         opts = options or ControllerOptions()
-        warm_imports(("training.checkpoint",))  # the first scrub must not stall the loop on `import torch`
+        warm_imports(("training.checkpoint.checkpointer",))  # first scrub: no `import torch` stall
         self._wake = threading.Event()
         self._closed = threading.Event()
         group = RayWorkerGroup(
@@ -151,17 +151,17 @@ class LocalCheckpointOps:
     """Verify / damage checkpoints on a filesystem this process sees (issue 6)."""
 
     def verify(self, path: str) -> None:
-        from training.checkpoint import verify_checkpoint
+        from training.checkpoint.checkpointer import verify_checkpoint
 
         verify_checkpoint(path)
 
     def corrupt(self, path: str, which: str = "any", mode: str = "flip") -> str:
-        from training.checkpoint import corrupt_checkpoint
+        from training.checkpoint.checkpointer import corrupt_checkpoint
 
         return corrupt_checkpoint(path, which, mode)
 
     def list(self, root: str) -> list[int]:
-        from training.checkpoint import list_checkpoints
+        from training.checkpoint.checkpointer import list_checkpoints
 
         return list_checkpoints(root)
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from training.layout import Layout
+from training.config.layout import Layout
 from workers.placement_axes import choose_unit
 from workers.topology import NodeInfo, Topology
 

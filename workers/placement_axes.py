@@ -1,7 +1,7 @@
 """Which consecutive ranks placement keeps on one node, for the context and expert parallel axes.
 
-Rank order is TP fastest, then CP, then DP (training.layout), and expert parallel groups are runs
-of `ep` consecutive dp x cp ranks (training.mesh, training.moe.expert_parallel_groups). So:
+Rank order is TP fastest, then CP, then DP (training.config.layout), and expert parallel groups are runs
+of `ep` consecutive dp x cp ranks (training.parallel.mesh, training.model.moe.expert_parallel_groups). So:
 
 - a CP group is `tp x cp` consecutive ranks, aligned;
 - an EP group (one TP coordinate's ranks) lies inside `tp x ep` consecutive ranks, aligned;
@@ -29,7 +29,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from training.layout import Layout
+from training.config.layout import Layout
 
 
 def group_unit(layout: Layout) -> int:

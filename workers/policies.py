@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from training.layout import Layout
+from training.config.layout import Layout
 from workers.topology import Topology
 
 

@@ -43,7 +43,7 @@ ACTIONS = ("checkpoint", "stop", "checkpoint_and_stop")
 # What a rank (and the controller, for checkpoint scrubbing) imports before its first use: torch
 # and the engine take seconds to import, which a replacement rank or the first scrub would
 # otherwise spend on the recovery path.
-WARM_MODULES = ("torch", "torch.distributed.checkpoint", "training.checkpoint", "training.train")
+WARM_MODULES = ("torch", "torch.distributed.checkpoint", "training.checkpoint.checkpointer", "training.train")
 
 
 def warm_imports(modules: tuple[str, ...] = WARM_MODULES) -> threading.Thread:
@@ -157,7 +157,7 @@ class RankActor:
         self._faults: list[dict[str, Any]] = []
         self._slow_s = 0.0
         self._action: str | None = None
-        # Issue 6: a training.integrity.BitFlipInjector for this rank, handed to the engine.
+        # Issue 6: a training.integrity.fingerprint.BitFlipInjector for this rank, handed to the engine.
         self.injector: Any = None
         self._flips_reported = 0
         self._restore_steps: set[int] | None = None
@@ -188,7 +188,7 @@ class RankActor:
         """Rank 0's address and a free port on it, for every rank's init_process_group."""
         import ray
 
-        from training.dist import free_port
+        from training.parallel.dist import free_port
 
         ip = ray.util.get_node_ip_address()
         return ip, free_port(ip)
@@ -249,7 +249,7 @@ class RankActor:
         try:
             import torch
 
-            from training.dist import init_distributed, shutdown
+            from training.parallel.dist import init_distributed, shutdown
 
             if not torch.cuda.is_available():
                 torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -390,7 +390,7 @@ class RankActor:
             raise ValueError(f"fault kind must be one of {', '.join(RANK_FAULT_KINDS)}, got {kind!r}")
         fault = {"kind": kind, "at_step": int(at_step), **params}
         if kind == "bitflip":
-            from training.integrity import BitFlip, BitFlipInjector
+            from training.integrity.fingerprint import BitFlip, BitFlipInjector
 
             flip = BitFlip(step=max(int(at_step), 1), rank=self.rank, target=params.get("target", "param"),
                            name=params.get("name", "layers.0.attention.wq.weight"),
@@ -410,7 +410,7 @@ class RankActor:
             if thread.is_alive():
                 return False
         try:  # a save that was in flight when the attempt failed must not block the next one
-            import training.checkpoint as ckpt
+            import training.checkpoint.checkpointer as ckpt
 
             ckpt._pending = None  # noqa: SLF001 - its process group is gone with the attempt
         except ImportError:

@@ -1,7 +1,7 @@
 """A spare rank on a healthy node that referees two replicas disagreeing persistently (issue 6).
 
 The ranks of a DP = 2 job whose re-run from the pre-step snapshot disagreed again write that
-snapshot (training.train, training.referee) and name it in the integrity error's evidence. The
+snapshot (training.train, training.integrity.referee) and name it in the integrity error's evidence. The
 controller hands it to `RayReferee`: one spare process (`num_gpus=1`, like a rank) pinned to a
 schedulable node outside the job's suspects replays the step alone and returns the fingerprint
 every healthy replica must have. `decide` turns it into the culprit.
@@ -14,7 +14,7 @@ import os
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from training.config import RunConfig
+from training.config.run import RunConfig
 from workers.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ def _replay(cfg_dict: dict[str, Any], snapshot: str) -> dict[str, Any]:
     """Runs in the spare process: the same thread count as a rank, then the replay."""
     import torch
 
-    from training.referee import replay_step
+    from training.integrity.referee import replay_step
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     return replay_step(RunConfig.from_dict(cfg_dict), snapshot)
@@ -71,7 +71,7 @@ class RayReferee:
 
 def decide(request: Mapping[str, Any], result: Mapping[str, Any]) -> tuple[list[int], list[int]]:
     """(culprits, healthy) from the replicas' fingerprints in `request` and the referee's result."""
-    from training.referee import verdict
+    from training.integrity.referee import verdict
 
     if "fingerprint" not in result:
         return [], []

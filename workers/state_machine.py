@@ -38,7 +38,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from training.config import RunConfig
+from training.config.run import RunConfig
 from workers.fault_ledger import CheckpointLedger, DataLedger, FaultClock, NodeLedger, StragglerWatch
 from workers.faults import normalize_faults
 from workers.placement import PlacementError, place

@@ -18,7 +18,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from training.config import RunConfig
+from training.config.run import RunConfig
 from workers.placement import Placement, PlacementError, RankPlacement, release, reserve
 from workers.rank import DEFAULT_TRAIN_FN, RankActor
 from workers.topology import Topology

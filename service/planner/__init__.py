@@ -25,8 +25,8 @@ from service.planner.presets import PRESETS, get_preset
 from service.planner.result import Plan
 from service.planner.search import DEFAULT_SCHEDULES, evaluate, plan
 from service.planner.specs import PRECISIONS, ClusterSpec, TrainSpec
-from training.layout import Layout
-from training.spec import ModelSpec
+from training.config.layout import Layout
+from training.config.spec import ModelSpec
 
 __all__ = [
     "DEFAULT_SCHEDULES",

@@ -36,7 +36,7 @@ from service.planner.formulas import (
 )
 from service.planner.hardware import GpuType
 from service.planner.specs import ClusterSpec, TrainSpec
-from training.spec import ModelSpec
+from training.config.spec import ModelSpec
 
 # Communication overlapped with compute is not free: collective kernels occupy SMs and HBM bandwidth
 # (NCCL runs 16-32 channels, i.e. SMs, of 132 on an H100). Each overlapped second costs this much

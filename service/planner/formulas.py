@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from training.spec import ModelSpec
+from training.config.spec import ModelSpec
 
 # Schedules whose pipeline rank holds both the first and the last stage (V shape).
 V_SHAPED = ("zbv_zero_bubble", "dualpipev")
@@ -102,7 +102,7 @@ def ring_recompute_flops_per_token_layer(model: ModelSpec, seq_len: int) -> floa
 def cp_ring_bytes_per_layer(kv_local_bytes: float, cp: int, grad_bytes_ratio: float = 2.0) -> float:
     """Bytes one rank sends around the context-parallel ring per layer per micro-batch, fwd + bwd.
 
-    What training/context_parallel.py sends (docs/context_parallel.md, "Costs", measured exactly by
+    What training/parallel/context.py sends (docs/context_parallel.md, "Costs", measured exactly by
     bench/cp.py): forward, its K/V block travels cp-1 hops; backward, K/V again cp-1 hops and the dK/dV
     accumulator cp hops (a last hop brings it home to its owner), accumulated in fp32. With
     `kv_local_bytes` the K and V of the rank's s/cp tokens in the activation dtype and `grad_bytes_ratio`
@@ -161,7 +161,7 @@ def activation_bytes_per_layer(
     parallel too; selective recomputation drops the 5*a*s/h attention term; full recomputation keeps
     only the layer input, 2*s*b*h (divided by t with sequence parallel). With context parallel, `s` is
     a rank's share of the sequence and `s_kv` the full length its queries attend to (scores are s x s_kv).
-    `ring_attention` (context parallel, training/context_parallel.py): the ring never materialises the
+    `ring_attention` (context parallel, training/parallel/context.py): the ring never materialises the
     scores; it keeps q, k, v and the output (inside the 34) and one fp32 log-sum-exp per query and head,
     4*a bytes per token, instead of the 5*a*s/h term (docs/context_parallel.md, "Costs").
     """

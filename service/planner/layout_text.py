@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from service.planner.errors import PlannerError
-from training.layout import Layout, LayoutError
+from training.config.layout import Layout, LayoutError
 
 _ALIASES = {
     "zero": "zero_stage",

@@ -1,9 +1,9 @@
-"""Model shape presets (training.spec.ModelSpec), with the source of each shape."""
+"""Model shape presets (training.config.spec.ModelSpec), with the source of each shape."""
 
 from __future__ import annotations
 
 from service.planner.errors import PlannerError
-from training.spec import ModelSpec
+from training.config.spec import ModelSpec
 
 PRESETS: dict[str, ModelSpec] = {
     # CPU smoke model: trains in seconds; heads and layers divisible by 2 and 4 so TP2/PP2 work.

@@ -20,8 +20,8 @@ from service.planner.search import (
     _schedule_options,
 )
 from service.planner.specs import ClusterSpec, TrainSpec
-from training.layout import Layout
-from training.spec import ModelSpec
+from training.config.layout import Layout
+from training.config.spec import ModelSpec
 
 
 def valid_layouts(

@@ -7,7 +7,7 @@ from typing import Any
 
 from service.planner.costmodel import Combo, Env, Micro, Stage, dp_exposed, finish
 from service.planner.formulas import total_params
-from training.layout import Layout
+from training.config.layout import Layout
 
 GiB = 1024**3
 

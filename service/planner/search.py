@@ -21,8 +21,8 @@ from service.planner.errors import PlannerError
 from service.planner.formulas import V_SHAPED
 from service.planner.result import Detail, Plan, build_detail, describe, fmt_bytes, why_slower
 from service.planner.specs import MAX_GPUS, ClusterSpec, TrainSpec
-from training.layout import MULTI_STAGE_SCHEDULES, SCHEDULES, Layout, LayoutError
-from training.spec import ModelSpec
+from training.config.layout import MULTI_STAGE_SCHEDULES, SCHEDULES, Layout, LayoutError
+from training.config.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class _Search:
         env, model = self.env, self.env.model
         for tp in self.tp_options():
             if model.is_moe and tp > 1:
-                # The engine splits experts with ep, not tp (training.compat.check_layout_for_model).
+                # The engine splits experts with ep, not tp (training.config.validate.check_layout_for_model).
                 self._reject(f"tp={tp}", f"tp={tp} with an MoE model: experts are split with ep, not tp")
                 continue
             for cp in _divisors(env.n // tp):
@@ -388,7 +388,7 @@ def plan(
 
 def _env(model: ModelSpec, train: TrainSpec, cluster: ClusterSpec) -> Env:
     if not isinstance(model, ModelSpec):
-        raise PlannerError(f"model must be a training.spec.ModelSpec, got {type(model).__name__}")
+        raise PlannerError(f"model must be a training.config.spec.ModelSpec, got {type(model).__name__}")
     if not isinstance(train, TrainSpec):
         raise PlannerError(f"train must be a TrainSpec, got {type(train).__name__}")
     if not isinstance(cluster, ClusterSpec):
@@ -538,7 +538,7 @@ def evaluate(
     PlannerError. With compare_with_search, the reasons also name the search's best layout.
     """
     if not isinstance(layout, Layout):
-        raise PlannerError(f"layout must be a training.layout.Layout, got {type(layout).__name__}")
+        raise PlannerError(f"layout must be a training.config.layout.Layout, got {type(layout).__name__}")
     env = _env(model, train, cluster)
     d = _detail_for(env, layout)
     result = Plan.from_detail(d, mode="evaluate", env=env)

@@ -9,9 +9,9 @@ from pydantic import ValidationError
 
 from service.planner import get_preset
 from service.schemas import DEMO_SPEC, EXPLICIT_SPEC, JobSpec, LayoutSpec, ModelConfig
-from training.config import RunConfig
-from training.layout import Layout
-from training.spec import ModelSpec
+from training.config.layout import Layout
+from training.config.run import RunConfig
+from training.config.spec import ModelSpec
 
 
 def test_mirrors_have_exactly_the_dataclass_fields() -> None:

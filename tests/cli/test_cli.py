@@ -21,7 +21,7 @@ from service import store
 from service.cli import app
 from service.store.db import make_engine, make_session_factory
 from service.store.models import Job, JobState
-from training.dist import free_port
+from training.parallel.dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = {

@@ -186,7 +186,7 @@ def test_build_context_includes_what_the_image_needs() -> None:
         "deploy/wait_for_db.py",
         "service/metrics.py",
         "workers/__init__.py",
-        "training/layout.py",
+        "training/config/layout.py",
         "migrations/env.py",
         "examples/demo.yaml",
     ):

@@ -14,8 +14,8 @@ import pytest
 from service.schemas import JobSpec
 from tests.distributed import run_ranks
 from tests.e2e.conftest import make_service, wait_for_free_gpus
-from training.config import RunConfig
-from training.layout import Layout
+from training.config.layout import Layout
+from training.config.run import RunConfig
 from workers.placement_axes import group_spread
 
 pytestmark = pytest.mark.ray
@@ -87,7 +87,7 @@ def test_context_parallel_job_succeeds_with_its_cp_groups_in_one_node(jobs: dict
 def _direct_train(rank: int, world: int, cfg_dict: dict) -> str:
     import torch
 
-    from training.dist import DistContext
+    from training.parallel.dist import DistContext
     from training.train import train
 
     ctx = DistContext(rank=rank, world_size=world, device=torch.device("cpu"), backend="gloo")

@@ -16,9 +16,9 @@ from service import store
 from service.schemas import JobSpec
 from tests.distributed import run_ranks
 from tests.e2e.conftest import LiveService, make_service, wait_for, wait_for_free_gpus
-from training.checkpoint import list_checkpoints
-from training.config import RunConfig
-from training.layout import Layout
+from training.checkpoint.checkpointer import list_checkpoints
+from training.config.layout import Layout
+from training.config.run import RunConfig
 from workers.controller import get_controller, kill_controller
 
 pytestmark = pytest.mark.ray
@@ -107,7 +107,7 @@ def test_auto_dp2_pp2_tp2_job_is_placed_across_racks_and_succeeds(svc: LiveServi
 def _direct_train(rank: int, world: int, cfg_dict: dict) -> str:
     import torch
 
-    from training.dist import DistContext
+    from training.parallel.dist import DistContext
     from training.train import train
 
     ctx = DistContext(rank=rank, world_size=world, device=torch.device("cpu"), backend="gloo")

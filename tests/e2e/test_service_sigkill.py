@@ -25,9 +25,9 @@ import ray
 from service.schemas import JobSpec
 from tests.e2e.conftest import all_events, wait_for, wait_for_free_gpus
 from tests.faults.harness import fault_free_digest, service_job_spec
-from training.config import RunConfig
-from training.dist import free_port
-from training.layout import Layout
+from training.config.layout import Layout
+from training.config.run import RunConfig
+from training.parallel.dist import free_port
 from workers.controller import get_controller, kill_controller
 
 pytestmark = pytest.mark.ray

@@ -14,9 +14,9 @@ from typing import Any
 import ray
 
 from tests.distributed import run_ranks
-from training.config import CheckpointConfig, RunConfig
-from training.layout import Layout
-from training.spec import ModelSpec
+from training.config.layout import Layout
+from training.config.run import CheckpointConfig, RunConfig
+from training.config.spec import ModelSpec
 from workers.controller import ControllerOptions, kill_controller, start_controller
 from workers.topology import Topology
 
@@ -53,7 +53,7 @@ def options(*faults: dict[str, Any], **kw: Any) -> ControllerOptions:
 def _direct_digest(rank: int, world: int, cfg_dict: dict) -> str:
     import torch
 
-    from training.dist import DistContext
+    from training.parallel.dist import DistContext
     from training.train import train
 
     ctx = DistContext(rank=rank, world_size=world, device=torch.device("cpu"), backend="gloo")

@@ -24,7 +24,7 @@ from tests.faults.harness import (
     run_job,
     wait_for_free_gpus,
 )
-from training.layout import Layout
+from training.config.layout import Layout
 from workers.placement import place, release, reserve
 from workers.policies import ReplanPolicy, RestartPolicy, keep_global_batch_replanner
 from workers.topology import Topology
@@ -169,7 +169,7 @@ def _reference(ckpt_dir: str, cfg_dict: dict) -> None:
 
     from tests.distributed import run_ranks
     from tests.faults.harness import _direct_digest
-    from training.config import CheckpointConfig, RunConfig
+    from training.config.run import CheckpointConfig, RunConfig
 
     cfg = RunConfig.from_dict(cfg_dict)
     cfg = replace(cfg, checkpoint=CheckpointConfig(dir=ckpt_dir, every_steps=0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.layout import Layout
+from training.config.layout import Layout
 from workers.fault_ledger import CheckpointLedger, DataLedger, FaultClock, NodeLedger, StragglerWatch
 from workers.faults import FaultError, normalize_fault, normalize_faults
 from workers.policies import (

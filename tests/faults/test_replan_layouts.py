@@ -25,7 +25,7 @@ from tests.faults.harness import (
     run_job,
     wait_for_free_gpus,
 )
-from training.layout import Layout
+from training.config.layout import Layout
 from workers.placement import place, release, reserve
 from workers.policies import ReplanPolicy
 from workers.topology import Topology

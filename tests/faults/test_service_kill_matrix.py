@@ -35,9 +35,9 @@ from tests.faults.harness import (
     wait_for_free_gpus,
 )
 from tests.faults.service_gate import TRAIN_FN, gate_env, held_ranks, release
-from training.checkpoint import list_checkpoints
-from training.config import RunConfig
-from training.layout import Layout
+from training.checkpoint.checkpointer import list_checkpoints
+from training.config.layout import Layout
+from training.config.run import RunConfig
 from workers.controller import get_controller, kill_controller
 
 pytestmark = pytest.mark.ray

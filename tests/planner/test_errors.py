@@ -15,7 +15,7 @@ from service.planner import (
     get_preset,
     plan,
 )
-from training.spec import SpecError
+from training.config.spec import SpecError
 
 
 def test_planner_error_is_a_value_error():

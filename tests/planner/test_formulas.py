@@ -20,7 +20,7 @@ from service.planner import (
     total_params,
     tp_bytes_per_layer,
 )
-from training.spec import ModelSpec
+from training.config.spec import ModelSpec
 
 
 def test_mixed_precision_adam_is_16_bytes_per_param_and_master_only_is_12():

@@ -18,7 +18,7 @@ from service.planner import (
 )
 from service.planner.reference import reference_best
 from service.planner.search import INTERLEAVE_DEPTHS
-from training.compat import check_layout_for_model
+from training.config.validate import check_layout_for_model
 
 REAL_GPUS = [name for name in GPU_CATALOG if name != "cpu-virtual"]
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from tests.distributed import run_ranks
-from training.checkpoint import (
+from training.checkpoint.checkpointer import (
     CheckpointCorrupt,
     CheckpointError,
     corrupt_checkpoint,
@@ -312,9 +312,9 @@ def _trained(seed: int = 0, steps: int = 2) -> tuple[Net, torch.optim.Optimizer]
 
 
 def test_round_trip_is_bit_exact_with_rng_and_data_position(tmp_path):
-    from training.config import DataConfig
+    from training.config.run import DataConfig
+    from training.config.spec import ModelSpec
     from training.data import make_data_source
-    from training.spec import ModelSpec
 
     spec = ModelSpec(layers=1, hidden=8, heads=2, vocab=16, seq_len=6)
     data = make_data_source(DataConfig(seed=3), spec, global_batch=4)
@@ -344,8 +344,8 @@ def test_round_trip_is_bit_exact_with_rng_and_data_position(tmp_path):
 
 
 def test_real_transformer_with_tied_embeddings_round_trips(tmp_path):
-    from training.model import build_model
-    from training.spec import ModelSpec
+    from training.config.spec import ModelSpec
+    from training.model.transformer import build_model
 
     spec = ModelSpec(layers=1, hidden=16, heads=2, vocab=32, seq_len=8, tied_embeddings=True)
     model = build_model(spec, seed=0)

@@ -1,4 +1,4 @@
-"""Ring attention (training/context_parallel.py) against full attention on the gathered sequence.
+"""Ring attention (training/parallel/context.py) against full attention on the gathered sequence.
 
 One spawn of 4 gloo ranks runs every distributed case: CP=4 over the world, and CP=2 over two
 subgroups {0,1} and {2,3} that hold different head counts (3 and 2 query heads: 5 heads split
@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.distributed import run_ranks
-from training.context_parallel import (
+from training.parallel.context import (
     ContextParallelError,
     _block_pairs,
     _segments,

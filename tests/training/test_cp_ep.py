@@ -6,7 +6,7 @@ allclose at 1e-5; eps = 1e-5 as in test_parallel.py, for the same reason).
 
 The MoE reference reproduces what the distributed run computes, not an idealised model: an MoE
 layer's capacity, dropping order and aux loss are defined over its EP group's tokens of one
-micro-batch (training/moe.py). So the reference runs, for each micro-batch and each EP group, the
+micro-batch (training/model/moe.py). So the reference runs, for each micro-batch and each EP group, the
 group's sequences (its DP ranks' micro-batches concatenated in rank order) as one batch, and
 averages: loss = mean over (micro-batch, group) of CE + aux_loss_coef x sum of aux. That is the
 objective the layout optimises, and for a single EP group over the whole batch it is the plain
@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from training.config import CheckpointConfig, OptimConfig, RunConfig
-from training.layout import Layout, LayoutError
-from training.spec import ModelSpec
+from training.config.layout import Layout, LayoutError
+from training.config.run import CheckpointConfig, OptimConfig, RunConfig
+from training.config.spec import ModelSpec
 
 WORLD = 4
 STEPS = 2
@@ -85,7 +85,7 @@ def _ep_groups(layout: Layout) -> list[list[int]]:
 def _reference(cfg: RunConfig) -> dict:
     """One process, the whole model, the same objective (module docstring)."""
     from training.data import make_data_source
-    from training.model import build_model, cross_entropy_loss
+    from training.model.transformer import build_model, cross_entropy_loss
 
     lay, spec = cfg.layout, cfg.model
     model = build_model(spec, cfg.seed)
@@ -122,7 +122,7 @@ def _reference(cfg: RunConfig) -> dict:
 
 
 def _run_case(rank: int, ctx, case: Case) -> dict:
-    from training.digest import state_digest
+    from training.integrity.digest import state_digest
     from training.train import Trainer
 
     cfg = _config(case)
@@ -174,7 +174,7 @@ def _train_loop_checks(rank: int, ctx, root: str) -> dict:
 
 
 def _worker(rank: int, world: int, root: str) -> dict:
-    from training.dist import DistContext
+    from training.parallel.dist import DistContext
 
     ctx = DistContext(rank, world, torch.device("cpu"), "gloo")
     results: dict = {}
@@ -231,7 +231,7 @@ def test_layout_matches_single_process(results, case: Case) -> None:
             assert len(stats) == len(dp_ranks) * layout.cp
             ref_dropped, ref_aux = ref_stats[g][layer]
             assert {d for d, _ in stats} == {ref_dropped}, (name, stats, ref_stats[g][layer])
-            # mean over the EP group of aux_r is the group's aux loss (training/moe.py)
+            # mean over the EP group of aux_r is the group's aux loss (training/model/moe.py)
             assert sum(a for _, a in stats) / len(stats) == pytest.approx(ref_aux, rel=1e-5)
     if SPECS[case.spec].capacity_factor is not None:
         assert any(d > 0 for grp in ref_stats for d, _ in grp), "the case must drop tokens"
@@ -256,7 +256,7 @@ def test_expert_parallel_checkpoint_resumes_to_the_same_weights(results) -> None
 
 def test_aux_loss_gradient_equals_the_explicit_objective() -> None:
     """The injected aux gradient is exactly that of CE + coef x sum(aux), and a scale of 0 removes it."""
-    from training.model import build_model, cross_entropy_loss
+    from training.model.transformer import build_model, cross_entropy_loss
 
     x = torch.randint(0, MOE.vocab, (4, MOE.seq_len), generator=torch.Generator().manual_seed(0))
     model = build_model(MOE, seed=3)
@@ -282,7 +282,7 @@ def test_aux_loss_gradient_equals_the_explicit_objective() -> None:
 
 
 def test_moe_model_meta_build_parameter_count_and_flops() -> None:
-    from training.model import Transformer, build_model, count_params, flops_per_token
+    from training.model.transformer import Transformer, build_model, count_params, flops_per_token
 
     eager = build_model(MOE_EVERY_2, seed=5)
     with torch.device("meta"):
@@ -303,8 +303,8 @@ def test_moe_model_meta_build_parameter_count_and_flops() -> None:
 
 def test_sharded_loss_is_the_full_sequence_mean() -> None:
     """Mean of the CP ranks' losses on their shards is the full-sequence loss (equal shard sizes)."""
-    from training.context_parallel import shard_sequence
-    from training.model import cross_entropy_loss, sharded_cross_entropy
+    from training.model.transformer import cross_entropy_loss, sharded_cross_entropy
+    from training.parallel.context import shard_sequence
 
     g = torch.Generator().manual_seed(0)
     logits, targets = torch.randn(2, 16, 10, generator=g), torch.randint(0, 10, (2, 16), generator=g)
@@ -327,7 +327,7 @@ def test_sharded_loss_is_the_full_sequence_mean() -> None:
     ],
 )
 def test_layouts_that_cannot_split_the_model_are_refused(spec, layout, field) -> None:
-    from training.parallelize import check_layout_for_model
+    from training.parallel.parallelize import check_layout_for_model
 
     with pytest.raises(LayoutError, match=field):
         check_layout_for_model(spec, layout)

@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from training.config import DataConfig
+from training.config.run import DataConfig
+from training.config.spec import ModelSpec
 from training.data import (
     DataError,
     SyntheticSource,
@@ -18,7 +19,6 @@ from training.data import (
     make_data_source,
     write_token_file,
 )
-from training.spec import ModelSpec
 
 SPEC = ModelSpec(layers=1, hidden=32, heads=2, vocab=64, seq_len=16)
 GLOBAL_BATCH = 8
@@ -93,7 +93,7 @@ def test_synthetic_follows_its_rule_up_to_the_noise():
 
 
 def test_synthetic_loss_falls_within_20_steps_on_a_small_transformer():
-    from training.model import build_model, cross_entropy_loss
+    from training.model.transformer import build_model, cross_entropy_loss
 
     torch.manual_seed(0)
     spec = ModelSpec(layers=1, hidden=32, heads=2, vocab=64, seq_len=16)

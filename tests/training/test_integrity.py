@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distributed import run_ranks
-from training.integrity import (
+from training.integrity.fingerprint import (
     BitFlip,
     BitFlipInjector,
     GradNormSpikeDetector,
@@ -157,7 +157,7 @@ def test_fingerprint_changes_for_every_single_bit_flip() -> None:
 
 def _reference_fingerprint(tensors: list[torch.Tensor]) -> int:
     """param_fingerprint's formula in plain Python integers, from each tensor's raw bytes."""
-    mask, row = (1 << 64) - 1, 1024  # int64 words per row (training.integrity._ROW)
+    mask, row = (1 << 64) - 1, 1024  # int64 words per row (training.integrity.fingerprint._ROW)
     mix = 0x9E3779B97F4A7C15
     hi = lo = 0
     for t, x in enumerate(tensors):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.digest import state_digest
-from training.layout import Layout, LayoutError
-from training.model import (
+from training.config.layout import Layout, LayoutError
+from training.config.spec import ModelSpec
+from training.integrity.digest import state_digest
+from training.model.transformer import (
     Transformer,
     build_model,
     count_params,
@@ -15,9 +16,8 @@ from training.model import (
     flops_per_token,
     prune_to_stage,
 )
-from training.parallelize import apply_recompute, check_layout_for_model
-from training.pipeline import split_layers, stage_ids
-from training.spec import ModelSpec
+from training.parallel.parallelize import apply_recompute, check_layout_for_model
+from training.parallel.pipeline import split_layers, stage_ids
 
 GQA = ModelSpec(layers=3, hidden=32, heads=4, kv_heads=2, vocab=64, seq_len=16)
 TIED_GELU = ModelSpec(layers=2, hidden=32, heads=4, vocab=64, seq_len=16, activation="gelu",

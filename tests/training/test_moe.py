@@ -1,4 +1,4 @@
-"""MoE with expert parallelism (training/moe.py) against the same MoE on one rank.
+"""MoE with expert parallelism (training/model/moe.py) against the same MoE on one rank.
 
 One spawn of 4 gloo ranks runs every distributed case: EP=4 over the world, and EP=2 in two EP
 groups {0,1}, {2,3} composed with DP (expert-DP groups {0,2}, {1,3}).
@@ -15,7 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distributed import run_ranks
-from training.moe import MoEError, MoELayer, expert_capacity, expert_parallel_groups, reduce_expert_grads
+from training.model.moe import (
+    MoEError,
+    MoELayer,
+    expert_capacity,
+    expert_parallel_groups,
+    reduce_expert_grads,
+)
 
 HIDDEN, FFN, EXPERTS = 16, 24, 8
 TOL = 1e-5  # relative to the largest reference entry
@@ -77,7 +83,7 @@ def _run_case(
         rows = range(g * ep, (g + 1) * ep)
         xr = torch.cat([xs[r] for r in rows]).requires_grad_()
         yr, aux_r = ref(xr)
-        # sum over the group's ranks of aux_r equals ep * aux (see training/moe.py)
+        # sum over the group's ranks of aux_r equals ep * aux (see training/model/moe.py)
         ref_loss = ref_loss + (yr * torch.cat([ws[r] for r in rows])).sum() + ep * aux_r
         if g == group_id:
             offset = sum(xs[r].size(0) for r in members if r < rank)

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from training.config import CheckpointConfig, OptimConfig, RunConfig
-from training.layout import Layout
-from training.spec import ModelSpec
+from training.config.layout import Layout
+from training.config.run import CheckpointConfig, OptimConfig, RunConfig
+from training.config.spec import ModelSpec
 
 STEPS = 2
 ATOL = 1e-5
@@ -86,7 +86,7 @@ def _config(case: Case, **kw) -> RunConfig:
 def _reference(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[float]]:
     """One process, the whole model, the whole global batch: (initial state, final state, losses)."""
     from training.data import make_data_source
-    from training.model import build_model, cross_entropy_loss
+    from training.model.transformer import build_model, cross_entropy_loss
 
     model = build_model(cfg.model, cfg.seed)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -110,7 +110,7 @@ def _reference(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], dict[str, torch
 
 
 def _run_case(rank: int, ctx, case: Case) -> dict:
-    from training.digest import state_digest
+    from training.integrity.digest import state_digest
     from training.train import Trainer
 
     cfg = _config(case)
@@ -130,7 +130,7 @@ def _run_case(rank: int, ctx, case: Case) -> dict:
 
 def _train_loop_checks(rank: int, ctx, root: str) -> dict:
     """train(): resume == uninterrupted, hooks, and a flipped bit caught and attributed."""
-    from training.integrity import BitFlip, BitFlipInjector
+    from training.integrity.fingerprint import BitFlip, BitFlipInjector
     from training.train import Action, TrainHooks, train
 
     layout = Layout(pp=2, tp=2, dp=2, schedule="1f1b", num_microbatches=2, zero_stage=1)
@@ -184,7 +184,7 @@ def _train_loop_checks(rank: int, ctx, root: str) -> dict:
 
 
 def _worker(rank: int, world: int, root: str) -> dict:
-    from training.dist import DistContext
+    from training.parallel.dist import DistContext
 
     ctx = DistContext(rank, world, torch.device("cpu"), "gloo")
     results: dict = {}

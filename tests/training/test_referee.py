@@ -1,4 +1,4 @@
-"""The referee for DP = 2 (training.referee): a persistent flip on one replica survives the re-run
+"""The referee for DP = 2 (training.integrity.referee): a persistent flip on one replica survives the re-run
 from the pre-step snapshot, the ranks write that snapshot, and one process replaying the step
 alone reproduces the healthy replica's fingerprint bit for bit, which names the other one."""
 
@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from tests.distributed import run_ranks
-from training.config import CheckpointConfig, RunConfig
-from training.layout import Layout
-from training.referee import referee_supported, replay_step, verdict
-from training.spec import ModelSpec
+from training.config.layout import Layout
+from training.config.run import CheckpointConfig, RunConfig
+from training.config.spec import ModelSpec
+from training.integrity.referee import referee_supported, replay_step, verdict
 
 SPEC = ModelSpec(layers=2, hidden=32, heads=2, vocab=64, seq_len=16)
 FLIP_STEP = 3
@@ -26,8 +26,8 @@ def _cfg(ckpt: str, **layout: Any) -> RunConfig:
 def _train_with_flip(rank: int, world: int, cfg_dict: dict, persistent: bool) -> dict:
     import torch
 
-    from training.dist import DistContext
-    from training.integrity import BitFlip, BitFlipInjector
+    from training.integrity.fingerprint import BitFlip, BitFlipInjector
+    from training.parallel.dist import DistContext
     from training.train import Action, TrainHooks, train
 
     errors: list[Any] = []

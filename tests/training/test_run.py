@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from training.layout import LayoutError
+from training.config.layout import LayoutError
+from training.config.spec import SpecError
 from training.run import run_config_from_job
-from training.spec import SpecError
 
 MODEL = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 16}
 JOB = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from training.config import RunConfig
+from training.config.run import RunConfig
 from workers.placement import Placement, PlacementError, RankPlacement
 from workers.topology import Topology
 from workers.worker_group import GroupStatus, RankStatus, WorkerGroup, WorkerGroupStartupError

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from training.layout import Layout
+from training.config.layout import Layout
 from workers.placement import Placement, PlacementError, bundles_for, place
 from workers.topology import Topology
 

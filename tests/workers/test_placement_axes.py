@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.layout import Layout
+from training.config.layout import Layout
 from workers.placement import place
 from workers.placement_axes import axis_groups, choose_unit, group_spread, group_unit, unit_candidates
 from workers.topology import Topology
@@ -29,8 +29,8 @@ def test_units_hold_whole_cp_and_ep_groups():
 
 
 def test_ep_groups_are_the_training_engines():
-    """The same groups as training.moe.expert_parallel_groups over each (pp, tp)'s dp x cp ranks."""
-    from training.moe import expert_parallel_groups
+    """The same groups as training.model.moe.expert_parallel_groups over each (pp, tp)'s dp x cp ranks."""
+    from training.model.moe import expert_parallel_groups
 
     layout = Layout(tp=2, cp=2, dp=2, ep=2, pp=2, schedule="1f1b", num_microbatches=2)
     expected = []

@@ -14,10 +14,10 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from tests.distributed import run_ranks
-from training.checkpoint import list_checkpoints
-from training.config import CheckpointConfig, RunConfig
-from training.layout import Layout
-from training.spec import ModelSpec
+from training.checkpoint.checkpointer import list_checkpoints
+from training.config.layout import Layout
+from training.config.run import CheckpointConfig, RunConfig
+from training.config.spec import ModelSpec
 from workers.controller import ControllerOptions, get_controller, kill_controller, start_controller
 from workers.placement import ReservationTimeout, place, release, reserve
 from workers.topology import Topology
@@ -141,7 +141,7 @@ def test_controller_of_a_job_that_does_not_fit_waits_with_the_reason(ray_cluster
 def _direct_train(rank: int, world: int, cfg_dict: dict) -> str:
     import torch
 
-    from training.dist import DistContext
+    from training.parallel.dist import DistContext
     from training.train import train
 
     ctx = DistContext(rank=rank, world_size=world, device=torch.device("cpu"), backend="gloo")

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from training.config import CheckpointConfig, RunConfig
-from training.layout import Layout
-from training.spec import ModelSpec
+from training.config.layout import Layout
+from training.config.run import CheckpointConfig, RunConfig
+from training.config.spec import ModelSpec
 from workers.policies import (
     Failure,
     FailureAction,

@@ -18,8 +18,8 @@ import fastapi
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.planner import ClusterSpec, Layout, PlannerError, TrainSpec, evaluate, get_preset, plan
-from training.layout import LayoutError
-from training.spec import ModelSpec, SpecError
+from training.config.layout import LayoutError
+from training.config.spec import ModelSpec, SpecError
 
 router = fastapi.APIRouter(tags=["plans"])
 

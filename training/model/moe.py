@@ -32,7 +32,8 @@ Dispatch and combine are `all_to_all_single` with unbalanced split sizes; the sp
 from the per-expert loads, which every rank already has from the one all-gather the capacity rule
 needs (so there is no separate count all-to-all).
 
-Inside the model (training/model.py, training/parallelize.py) a layer is built with all experts
+Inside the model (training/model/transformer.py, training/parallel/parallelize.py) a layer is built
+with all experts
 (on the meta device), then `shard_experts(ep_mesh)` keeps this rank's E/ep of them as DTensors
 Shard(0) over the EP mesh, so checkpoints, digests and gradient clipping see the full expert
 tensors; `reset_parameters(seed)` draws only the experts a rank holds. The forward uses the local

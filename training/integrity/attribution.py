@@ -1,5 +1,5 @@
 """Who corrupted the step: per-rank checks before the DP reduction, pre-step snapshots and the
-re-run that attributes a replica mismatch (issue 6), on top of `training.integrity`.
+re-run that attributes a replica mismatch (issue 6), on top of `training.integrity.fingerprint`.
 
 Three sources of evidence, cheapest first:
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.integrity import FingerprintVote, GradNormSpikeDetector, IntegrityError
+from training.integrity.fingerprint import FingerprintVote, GradNormSpikeDetector, IntegrityError
 from training.parallel.ddp import local_tensor
 
 log = logging.getLogger(__name__)

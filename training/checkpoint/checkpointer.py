@@ -15,7 +15,7 @@ filesystem for several)::
 
 DCP keys are canonical FQNs, independent of the layout: ``model.<fqn>`` for parameters and
 buffers, ``optim.state.<fqn>.<name>`` and ``optim.param_groups.<fqn>.<hyper>`` for the optimizer
-(plain, ZeRO-1, FSDP2 and TP alike; see ``training.checkpoint_state``), so DCP reshards a
+(plain, ZeRO-1, FSDP2 and TP alike; see ``training.checkpoint.state``), so DCP reshards a
 checkpoint to another DP size, ZeRO stage or TP degree by name.
 
 Commit protocol of ``save_checkpoint`` (all ranks of ``process_group`` call it):
@@ -60,7 +60,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from training.checkpoint_state import (
+from training.checkpoint.state import (
     OptimizerArg,
     load_model_state,
     load_optimizer_state,

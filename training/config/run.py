@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from training.layout import Layout
-from training.spec import ModelSpec, SpecError
+from training.config.layout import Layout
+from training.config.spec import ModelSpec, SpecError
 
 
 @dataclass(frozen=True)

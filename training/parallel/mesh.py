@@ -10,7 +10,7 @@ Derived dimensions (built only when cp > 1 or ep > 1, so dense layouts create no
     dp_cp   dp x cp flattened (torchtitan's dp_shard_cp): every rank holding the same dense
             weights; dense gradients are averaged and ZeRO/FSDP shard over it.
     ep      runs of `ep` consecutive dp_cp ranks: one MoE layer's experts are split over them
-            and tokens are exchanged with all-to-all (training/moe.py, expert_parallel_groups).
+            and tokens are exchanged with all-to-all (training/model/moe.py, expert_parallel_groups).
     edp     expert data parallel: the dp_cp ranks with the same ep index, which hold the same
             experts (dp x cp / ep of them); expert gradients are reduced over it.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from training.layout import MESH_DIMS, Layout, LayoutError, RankCoord
+from training.config.layout import MESH_DIMS, Layout, LayoutError, RankCoord
 
 DERIVED_DIMS: tuple[str, ...] = ("dp_cp", "ep", "edp")
 
@@ -72,7 +72,7 @@ class ParallelDims:
             dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
             dims.derived["dp_cp"] = dp_cp
             if layout.ep > 1:
-                # Runs of ep consecutive dp_cp ranks (training.moe.expert_parallel_groups).
+                # Runs of ep consecutive dp_cp ranks (training.model.moe.expert_parallel_groups).
                 split = dp_cp._unflatten(0, (layout.dp * layout.cp // layout.ep, layout.ep), ("edp", "ep"))
                 dims.derived["ep"], dims.derived["edp"] = split["ep"], split["edp"]
         _BY_MESH[id(mesh)] = dims

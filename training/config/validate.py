@@ -4,8 +4,8 @@ planner and the API, so that a plan or a submitted layout is never one the ranks
 
 from __future__ import annotations
 
-from training.layout import Layout, LayoutError
-from training.spec import ModelSpec
+from training.config.layout import Layout, LayoutError
+from training.config.spec import ModelSpec
 
 __all__ = ["check_layout_for_model", "LayoutError"]
 

@@ -9,7 +9,7 @@ the last stage (head + loss, the heaviest end) only when every other stage has o
 Stages are placed on pipeline ranks by the schedule's style: "loop" (stage s on rank s mod pp)
 for GPipe, 1F1B and the interleaved schedules; "V" (rank r holds stages r and 2pp-1-r) for
 ZBVZeroBubble and DualPipeV. Each stage is a `Transformer` pruned to its layers, with canonical
-parameter names, parallelised by `training.parallelize.parallelize` (TP, recompute, FSDP).
+parameter names, parallelised by `training.parallel.parallelize.parallelize` (TP, recompute, FSDP).
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from training.config import RunConfig
-from training.layout import Layout, LayoutError
-from training.mesh import ParallelDims
-from training.model import Transformer, prune_to_stage, sharded_cross_entropy
-from training.parallelize import parallelize
-from training.spec import ModelSpec
+from training.config.layout import Layout, LayoutError
+from training.config.run import RunConfig
+from training.config.spec import ModelSpec
+from training.model.transformer import Transformer, prune_to_stage, sharded_cross_entropy
+from training.parallel.mesh import ParallelDims
+from training.parallel.parallelize import parallelize
 
 SCHEDULE_CLASSES: dict[str, type] = {
     "gpipe": ScheduleGPipe,

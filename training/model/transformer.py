@@ -21,7 +21,7 @@ Initialisation is by name: every parameter is drawn from a generator seeded by (
 over its *full* shape, and a sharded parameter (DTensor) keeps the slice it owns. The same seed
 therefore gives the same full weights for any layout, including a model built on the meta
 device and materialised after tensor parallelism or FSDP. MoE blocks draw each expert from its
-own (seed, layer, tensor, expert) generator (training/moe.py), so expert parallel ranks draw
+own (seed, layer, tensor, expert) generator (training/model/moe.py), so expert parallel ranks draw
 only the experts they hold.
 
 Context parallel (`set_context_parallel`, docs/context_parallel.md): the first stage takes the
@@ -32,7 +32,7 @@ shards the targets the same way. Everything else is token-wise and needs nothing
 MoE (ModelSpec.num_experts > 0): the load-balancing loss of every MoE block enters the gradient
 with weight `aux_loss_scale` through `_AuxLossGrad` (Megatron-LM's MoEAuxLossAutoScaler): the
 block's output passes through unchanged and its backward also seeds d(aux) = scale. That works
-on every pipeline stage without sending the aux values to the loss; `training.parallelize` sets
+on every pipeline stage without sending the aux values to the loss; `training.parallel.parallelize` sets
 the scale to aux_loss_coef / num_microbatches (or aux_loss_coef under a pipeline schedule,
 which divides the gradients itself). The reported loss is the language-model cross-entropy;
 `aux_losses()` gives the last aux values.
@@ -50,9 +50,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
-from training.context_parallel import cp_attention, cp_positions, shard_sequence
-from training.moe import MoELayer
-from training.spec import ModelSpec
+from training.config.spec import ModelSpec
+from training.model.moe import MoELayer
+from training.parallel.context import cp_attention, cp_positions, shard_sequence
 
 # Wrapper prefixes that torch inserts into parameter names; stripped to get canonical names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -167,7 +167,7 @@ class _AuxLossGrad(torch.autograd.Function):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block. `recompute` is set by `training.parallelize` (none | selective | full)."""
+    """Pre-norm block. `recompute` is set by `training.parallel.parallelize` (none | selective | full)."""
 
     def __init__(self, spec: ModelSpec, layer_id: int = 0) -> None:
         super().__init__()
@@ -228,7 +228,7 @@ class Transformer(nn.Module):
         self.cp_group: ProcessGroup | None = None
         self.cp_rank, self.cp_size = 0, 1
 
-    # ---- parallel settings (training.parallelize calls these) ---------------------------------
+    # ---- parallel settings (training.parallel.parallelize calls these) ---------------------------------
     def set_context_parallel(self, cp_group: ProcessGroup | None) -> None:
         """Run attention as a ring over `cp_group`; tokens and targets are sharded along the sequence."""
         size = dist.get_world_size(cp_group) if cp_group is not None else 1

@@ -4,7 +4,7 @@
         ->  activation recomputation  ->  FSDP (ZeRO-2/3)  ->  materialise weights
         ->  DDP (ZeRO-0/1; with expert parallel, DDP for the dense weights + expert reduction)
 
-Pipeline parallelism wraps this (training.pipeline calls `parallelize` once per stage).
+Pipeline parallelism wraps this (training.parallel.pipeline calls `parallelize` once per stage).
 Weights are materialised after FSDP has sharded them (so no rank ever holds a full copy of a
 model built on the meta device) and before DDP, which broadcasts rank 0's weights at
 construction and so needs them to exist. Without FSDP, TP parameters then get a gradient hook
@@ -22,7 +22,7 @@ Recomputation is a flag on each block rather than a checkpoint_wrapper, so param
 stay canonical.
 
 Context parallel (cp > 1) splits each sequence over the `cp` mesh dimension (ring attention,
-training/context_parallel.py); CP ranks hold the same weights, so every data-parallel reduction
+training/parallel/context.py); CP ranks hold the same weights, so every data-parallel reduction
 below runs over dp x cp (the flattened "dp_cp" mesh, torchtitan's dp_shard_cp), and
 ParallelDims.replica_group() is dp x cp.
 
@@ -67,12 +67,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from training.compat import check_layout_for_model
-from training.config import RunConfig
-from training.layout import Layout, LayoutError
-from training.mesh import ParallelDims
-from training.model import Transformer
-from training.moe import reduce_expert_grads
+from training.config.layout import Layout, LayoutError
+from training.config.run import RunConfig
+from training.config.validate import check_layout_for_model
+from training.model.moe import reduce_expert_grads
+from training.model.transformer import Transformer
+from training.parallel.mesh import ParallelDims
 
 # Pipeline schedules that split backward into an input pass and a later weight pass. With them,
 # FSDP2's reshard_after_forward=True gives wrong weight gradients in torch 2.13 (the stage's

@@ -30,7 +30,7 @@ class ModelSpec:
     top_k: int = 2
     expert_ffn: int | None = None
     # Assignments an expert accepts per step, as a multiple of its fair share; None never drops
-    # (Switch Transformer eq. 3; training/moe.py).
+    # (Switch Transformer eq. 3; training/model/moe.py).
     capacity_factor: float | None = 1.25
     # Weight of the load-balancing loss in the training loss (Switch Transformer section 2.2: 0.01).
     aux_loss_coef: float = 0.01

@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from training.attribution import load_optimizer_state
-from training.config import RunConfig
+from training.config.layout import Layout
+from training.config.run import RunConfig
 from training.data import make_data_source
-from training.integrity import param_fingerprint
-from training.layout import Layout
-from training.model import Transformer
-from training.parallelize import build_optimizer, clip_grad_norm
+from training.integrity.attribution import load_optimizer_state
+from training.integrity.fingerprint import param_fingerprint
+from training.model.transformer import Transformer
+from training.parallel.parallelize import build_optimizer, clip_grad_norm
 
 log = logging.getLogger(__name__)
 

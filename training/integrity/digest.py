@@ -2,7 +2,7 @@
 
 Identical for any layout that computed the same weights: DTensor shards (TP, FSDP) are gathered
 with `full_tensor()`, pipeline stages are gathered from every pipeline rank, and names are the
-canonical ones of `training.model` (wrapper prefixes removed). Canonical order is the natural
+canonical ones of `training.model.transformer` (wrapper prefixes removed). Canonical order is the natural
 sort of the names (layer numbers compared as integers).
 """
 
@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from training.layout import Layout
-from training.model import canonical_name
+from training.config.layout import Layout
+from training.model.transformer import canonical_name
 
 
 def _natural_key(name: str) -> list[tuple[int, int | str]]:
