@@ -76,7 +76,7 @@ class Service:
                 conn.commit()
             engine.dispose()
             env["LATTICE_DATABASE_URL"] = f"{self.postgres_url}?options=-csearch_path%3D{self.schema}"
-        log = open(self.home / "serve.log", "w")  # noqa: SIM115 - closed with the process
+        log = open(self.home / "serve.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "service", "serve", "--port", str(self.port)],
             cwd=ROOT,

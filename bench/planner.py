@@ -7,7 +7,7 @@ faster the real search is, and checks that both find the same step time.
     .venv/bin/python bench/planner.py            # full table
     .venv/bin/python bench/planner.py --quick    # fewer cases, for a smoke run
 
-Target (issue 3): under 100 ms for llama3-405b on 16,384 GPUs with the full search.
+Target: under 100 ms for llama3-405b on 16,384 GPUs with the full search.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Recovery from a killed rank: Lattice's controller against Ray Train (issue 6).
+"""Recovery from a killed rank: Lattice's controller against Ray Train.
 
     python -m bench.recovery                   # DP 2, 24 steps, checkpoint every 5, kill rank 1 at 12
     python -m bench.recovery --skip-ray-train  # Lattice only (Ray Train needs pandas + pyarrow)

@@ -1,4 +1,4 @@
-"""Silent-data-corruption checks of the train loop (issue 6): what they catch, how fast, what they cost.
+"""Silent-data-corruption checks of the train loop: what they catch, how fast, what they cost.
 
     python -m bench.sdc                       # 100 flips, 1,000 clean steps, overhead; DP 3, gloo
     python -m bench.sdc --flips 30 --clean-steps 200 --overhead-steps 20
@@ -55,7 +55,7 @@ def _max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> flo
 
 
 def _bench(rank: int, world: int, args: dict) -> dict[str, Any]:
-    from training.integrity.fingerprint import BitFlip, BitFlipInjector
+    from training.integrity.injection import BitFlip, BitFlipInjector
     from training.model.transformer import Transformer
     from training.parallel.dist import DistContext
     from training.train import Action, Trainer, TrainHooks, train
@@ -125,7 +125,7 @@ def _bench(rank: int, world: int, args: dict) -> dict[str, Any]:
     import training.train as train_module
 
     check_times: list[float] = []
-    originals = (Trainer.check_integrity, Trainer._check_local_grads, train_module.param_fingerprint)
+    originals = (Trainer.check_integrity, Trainer.check_local_grads, train_module.param_fingerprint)
 
     def timed(fn: Any) -> Any:
         def wrapper(*a: Any) -> Any:
@@ -138,13 +138,13 @@ def _bench(rank: int, world: int, args: dict) -> dict[str, Any]:
     for label in ("off", "on", "off", "on"):  # interleaved, so drift hits both alike
         timed_hooks = Timed(label == "on")
         if label == "on":
-            Trainer.check_integrity, Trainer._check_local_grads = timed(originals[0]), timed(originals[1])
+            Trainer.check_integrity, Trainer.check_local_grads = timed(originals[0]), timed(originals[1])
             train_module.param_fingerprint = timed(originals[2])
         try:
             run_cfg = big_cfg if label == "on" else replace(big_cfg, integrity=no_checks)
             train(ctx, run_cfg, timed_hooks, resume=False)
         finally:
-            Trainer.check_integrity, Trainer._check_local_grads, train_module.param_fingerprint = originals
+            Trainer.check_integrity, Trainer.check_local_grads, train_module.param_fingerprint = originals
         timings.setdefault(label, []).extend(timed_hooks.times[2:])  # drop warm-up steps
     check_per_step = sum(check_times) / (2 * big_cfg.steps)
     params = sum(p.numel() for p in Transformer(big).parameters())

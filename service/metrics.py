@@ -140,12 +140,15 @@ def forget_job(job_id: str) -> None:
 
 
 def _restart_causes(job_id: str) -> set[str]:
-    return {labels[1] for labels in JOB_RESTARTS._metrics if labels[0] == job_id}  # noqa: SLF001
+    return {sample.labels["cause"] for family in JOB_RESTARTS.collect() for sample in family.samples
+            if sample.labels.get("job_id") == job_id}
 
 
 def metric_names() -> set[str]:
     """Every sample name this registry can expose (with _total/_bucket/... suffixes)."""
     names: set[str] = set()
-    for collector in list(REGISTRY._collector_to_names):  # noqa: SLF001
-        names.update(REGISTRY._collector_to_names[collector])  # noqa: SLF001
+    # prometheus_client has no public listing of the names a registry may expose (collect() skips
+    # labelled metrics without series yet), so this reads its index.
+    for collector in list(REGISTRY._collector_to_names):  # noqa: SLF001 - no public equivalent
+        names.update(REGISTRY._collector_to_names[collector])  # noqa: SLF001 - no public equivalent
     return names

@@ -71,9 +71,9 @@ class Runtime:
         from sqlalchemy.exc import SQLAlchemyError
 
         from service.api.app import create_app
-        from service.cli import prepare_database
-        from service.scheduler import Scheduler
+        from service.scheduler.loop import Scheduler
         from service.store.db import make_session_factory
+        from service.store.prepare import prepare_database
 
         s = self.settings
         s.home.mkdir(parents=True, exist_ok=True)

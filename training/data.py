@@ -253,6 +253,11 @@ class TokenFileSource(DataSource):
         self._perms: dict[int, torch.Tensor] = {}
         self._fingerprint: str | None = None
 
+    @property
+    def memory_mapped(self) -> bool:
+        """The tokens are read through a memory map of the file, not loaded into memory."""
+        return isinstance(self._mmap, mmap.mmap)
+
     def fingerprint(self) -> str:
         if self._fingerprint is None:
             assert self._mmap is not None

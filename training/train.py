@@ -29,133 +29,42 @@ a checkpoint of step s resumes at step s + 1.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from training.checkpoint.checkpointer import (
-    CheckpointInfo,
-    load_latest_checkpoint,
-    save_checkpoint,
-    wait_pending,
-)
+from training.checkpoint.checkpointer import Checkpointer, CheckpointInfo
+from training.config.arithmetic import mfu, model_flops_per_token
 from training.config.run import RunConfig
+from training.config.validate import check_layout_for_model
 from training.data import make_data_source
-from training.integrity.attribution import AuditConfig, LocalGradCheck, StepSnapshot, rerun_verdict
+from training.hooks import Action, StepInfo, TrainHooks, TrainResult
+from training.integrity.attribution import LocalGradCheck, StepSnapshot
+from training.integrity.detectors import IntegrityError, LossSpikeDetector, check_finite
 from training.integrity.digest import full_state, model_digest
-from training.integrity.fingerprint import (
-    BitFlipInjector,
-    FingerprintVote,
-    IntegrityError,
-    LossSpikeDetector,
-    check_finite,
-    param_fingerprint,
-    summarize_step,
-)
-from training.integrity.referee import referee_snapshot_path, referee_supported, save_referee_snapshot
+from training.integrity.fingerprint import FingerprintVote, param_fingerprint, summarize_step
+from training.integrity.rerun import rerun_attribution, shared_error
 from training.model.transformer import Transformer
-from training.model.transformer import flops_per_token as model_flops_per_token
-from training.parallel.dist import DistContext
+from training.parallel.dist import DistContext, peak_flops
 from training.parallel.mesh import ParallelDims
-from training.parallel.parallelize import (
+from training.parallel.optim import (
     build_optimizer,
-    check_layout_for_model,
     clip_grad_norm,
     finish_grad_sync,
     microbatch_context,
     no_grad_sync,
-    parallelize,
-    unwrap,
 )
+from training.parallel.parallelize import parallelize
 from training.parallel.pipeline import Pipeline, build_pipeline
+from training.parallel.wrapping import unwrap
+
+__all__ = ["Action", "StepInfo", "TrainHooks", "TrainResult", "Trainer", "train"]
 
 log = logging.getLogger(__name__)
-
-# Dense bf16 tensor-core peaks (vendor datasheets), for MFU. Unknown devices report mfu=None.
-_PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("B200", 2250e12), ("L40S", 362e12))
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for key, v in _PEAK_FLOPS if key in name), None)
-
-
-class Action(enum.Enum):
-    CONTINUE = "continue"
-    CHECKPOINT = "checkpoint"
-    STOP = "stop"  # stop after this step, without a final checkpoint
-    CHECKPOINT_AND_STOP = "checkpoint_and_stop"
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    step: int
-    loss: float  # global-batch mean, the same on every rank
-    tokens_per_s: float
-    step_time_s: float
-    mfu: float | None  # None when the device's peak FLOP/s is unknown (CPU)
-    data_positions: list[int]  # global sample indices this rank trained on in this step
-
-
-class TrainHooks:
-    """Override what you need. Every rank calls its own hooks; actions are agreed across ranks."""
-
-    #: Bit flips to inject (tests of the integrity checks): a rank's local gradient as backward
-    #: produces it, before the DP reduction averages it into every replica; params after the
-    #: optimizer step, so a flip on one replica makes it diverge from the others.
-    injector: BitFlipInjector | None = None
-    #: Checks beyond RunConfig.integrity: local gradient norms, pre-step snapshots for re-runs.
-    audit: AuditConfig | None = AuditConfig()
-    #: Restore only a checkpoint of one of these steps (the verified ones); None = any valid one.
-    restore_steps: Collection[int] | None = None
-
-    def on_step(self, info: StepInfo) -> Action | None:
-        return None
-
-    def on_restore(self, step: int | None) -> None:
-        """Training starts from checkpoint `step` (None: from scratch)."""
-        return None
-
-    def on_collective(self, step: int, name: str) -> None:
-        """About to enter the per-step control collective `name` that every rank joins (a rank that
-        never reports it while the others did is the one they wait for)."""
-        return None
-
-    def on_checkpoint_start(self, step: int) -> None:
-        """A checkpoint save of `step` begins."""
-        return None
-
-    def on_verified(self, step: int) -> None:
-        """Every rank's integrity checks passed at `step`, replica comparison included."""
-        return None
-
-    def should_checkpoint(self, step: int) -> bool:
-        return False
-
-    def on_checkpoint(self, step: int, path: str, nbytes: int, seconds: float) -> None:
-        return None
-
-    def on_integrity_error(self, error: IntegrityError) -> Action | None:
-        """Default: raise. Return an Action to keep going (CONTINUE) or stop (STOP) instead."""
-        raise error
-
-
-@dataclass
-class TrainResult:
-    final_step: int
-    losses: list[float]  # one per step run in this call
-    model_digest: str
-    checkpoints: list[CheckpointInfo] = field(default_factory=list)
-    resumed_from: int | None = None
 
 
 class Trainer:
@@ -177,8 +86,8 @@ class Trainer:
         else:
             with torch.device("meta"):
                 model = Transformer(cfg.model)
-            self.modules = [parallelize(model, layout, self.dims.mesh, cfg, device=ctx.device)]
-        self.parts: list[Transformer] = [unwrap(m) for m in self.modules]
+            self.modules = [parallelize(model, layout, self.dims, cfg, device=ctx.device)]
+        self.parts: list[Transformer] = [_as_transformer(unwrap(m)) for m in self.modules]
         # One optimizer per model part (checkpoints pair each part with its optimizer).
         self.optimizers = [build_optimizer([p], layout, cfg, self.dp_group) for p in self.parts]
         self.data = make_data_source(cfg.data, cfg.model, cfg.global_batch)
@@ -192,10 +101,12 @@ class Trainer:
         self.pending_vote: FingerprintVote | None = None
         self.fingerprint_ran = False
         self._local_error: IntegrityError | None = None
-        self._rerun_local: tuple[float, bool] | None = None
+        self.rerun_local: tuple[float, bool] | None = None  # the local gradient check on a re-run
         self.flops_per_token = flops_per_token or model_flops_per_token(cfg.model)
         self.peak = peak_flops(ctx.device)
         self.step = 0
+        # Owns the async save in flight; closed when the attempt ends (`close`).
+        self.checkpointer = Checkpointer()
 
     # ---- checkpoints -------------------------------------------------------------------------
     def restore(self) -> int | None:
@@ -203,8 +114,8 @@ class Trainer:
         if not root:
             return None
         allowed = self.hooks.restore_steps
-        loaded = load_latest_checkpoint(root, list(self.parts), self.optimizers,
-                                        allowed_steps=None if allowed is None else set(allowed))
+        loaded = self.checkpointer.load_latest(root, list(self.parts), self.optimizers,
+                                               allowed_steps=None if allowed is None else set(allowed))
         if loaded is None:
             return None
         step, extra = loaded
@@ -219,11 +130,11 @@ class Trainer:
         c = self.cfg.checkpoint
         assert c.dir
         done = []
-        previous = wait_pending()
+        previous = self.checkpointer.wait_pending()
         if previous is not None:
             done.append(previous)
-        info = save_checkpoint(c.dir, self.step, list(self.parts), self.optimizers,
-                               {"data": self.data.state_dict()}, keep=c.keep, async_save=c.async_save)
+        info = self.checkpointer.save(c.dir, self.step, list(self.parts), self.optimizers,
+                                      {"data": self.data.state_dict()}, keep=c.keep, async_save=c.async_save)
         if info.committed:
             done.append(info)
         return done
@@ -270,13 +181,13 @@ class Trainer:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [item for part in self.parts for item in part.named_parameters()]
 
-    def _check_local_grads(self, step: int, rerun: bool) -> None:
+    def check_local_grads(self, step: int, rerun: bool) -> None:
         check = self.local_check
         if check is None:
             return
         params = [p for _, p in self.named_parameters()]
         if rerun:
-            self._rerun_local = check.recheck(params)
+            self.rerun_local = check.recheck(params)
         else:
             self._local_error = check.check(params, step, self.ctx.rank)
 
@@ -293,7 +204,7 @@ class Trainer:
             injector.arm_grad_flips(step, self.named_parameters())
         self._local_error = None
         local_loss = self.forward_backward(inputs.to(self.ctx.device), targets.to(self.ctx.device),
-                                           before_sync=lambda: self._check_local_grads(step, rerun))
+                                           before_sync=lambda: self.check_local_grads(step, rerun))
         if self.cfg.optim.grad_clip:
             clip_grad_norm(list(self.parts), self.cfg.optim.grad_clip, dims.group("pp"))
         for opt in self.optimizers:
@@ -334,11 +245,20 @@ class Trainer:
         return error
 
     # ---- results -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """End of the attempt: drop an async checkpoint that could not be committed."""
+        self.checkpointer.close()
+
     def full_state(self) -> dict[str, torch.Tensor]:
         return full_state(list(self.parts), self.cfg.layout, self.dims.mesh)
 
     def digest(self) -> str:
         return model_digest(list(self.parts), self.cfg.layout, self.dims.mesh)
+
+
+def _as_transformer(module: nn.Module) -> Transformer:
+    assert isinstance(module, Transformer), type(module)
+    return module
 
 
 def _agree(flags: list[bool], device: torch.device) -> list[bool]:
@@ -348,91 +268,20 @@ def _agree(flags: list[bool], device: torch.device) -> list[bool]:
     return [bool(v) for v in t.tolist()]
 
 
-def _gather(value: Any) -> list[Any]:
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
-
-
-def _shared_error(error: IntegrityError | None) -> tuple[IntegrityError, list[tuple]]:
-    """The integrity error every rank raises: the lowest-ranked detector's, with all detectors' ranks;
-    and every detector's (kind, step, ranks, evidence)."""
-    # Sent as plain tuples: IntegrityError's constructor arguments do not survive pickling.
-    mine = (error.kind, error.step, error.ranks, error.evidence) if error is not None else None
-    found = [e for e in _gather(mine) if e is not None]
-    kind, step, _, evidence = found[0]
-    ranks = sorted({r for e in found for r in e[2]})
-    return IntegrityError(kind, step, ranks, evidence), found
-
-
-_LOCAL_KINDS = ("grad_norm_spike", "nonfinite")
-
-
-def _rerun_attribution(
-    trainer: Trainer, step: int, shared: IntegrityError, found: list[tuple]
-) -> IntegrityError:
-    """Run `step` again from the pre-step snapshot on every rank and name the rank(s) whose first
-    result did not reproduce (transient) or did (persistent). See training.integrity.attribution."""
-    first = trainer.last_vote
-    trainer.snapshot.restore()  # type: ignore[union-attr]
-    trainer.train_step(step, rerun=True)
-    rerun_vote = trainer.pending_vote if first is not None else None
-    mine: dict[str, Any] = {"rank": trainer.ctx.rank}
-    if first is not None and rerun_vote is not None and first.divergent:
-        culprits, transient, evidence = rerun_verdict(first, rerun_vote)
-        mine["vote"] = (culprits, transient, evidence)
-    if trainer._rerun_local is not None:
-        mine["local"] = trainer._rerun_local
-    referee = _maybe_write_referee_snapshot(trainer, step, first, rerun_vote)
-    results = _gather(mine)  # also the barrier after which the referee's snapshot is on disk
-    culprits: set[int] = set()
-    transient = True
-    evidence: dict[str, Any] = {"attribution": "rerun from the pre-step snapshot", "first": shared.evidence}
-    votes = {}
-    for res in results:
-        if "vote" in res:
-            c, t, ev = res["vote"]
-            culprits.update(c)
-            transient = transient and t
-            votes[str(tuple(ev["ranks"]))] = ev
-    if votes:
-        evidence["votes"] = list(votes.values())
-    local_named = sorted({r for kind, _, ranks, _ in found if kind in _LOCAL_KINDS for r in ranks})
-    if local_named and len(local_named) < dist.get_world_size():
-        again = [res["rank"] for res in results if res.get("local", (0.0, False))[1]]
-        culprits.update(local_named)
-        transient = transient and not set(again) & set(local_named)
-        evidence["local_rerun"] = {str(res["rank"]): res.get("local", (None,))[0] for res in results}
-    if not culprits:
-        culprits = set(shared.ranks)
-    evidence["transient"] = transient
-    evidence["reproduced"] = not transient
-    if referee is not None and not transient:
-        evidence["referee"] = referee  # the controller asks a spare on a healthy node (workers.referee)
-    return IntegrityError(shared.kind, step, sorted(culprits), evidence)
-
-
-def _maybe_write_referee_snapshot(trainer: Trainer, step: int, first: FingerprintVote | None,
-                                  rerun: FingerprintVote | None) -> dict[str, Any] | None:
-    """Two replicas that disagreed again on the re-run: the lowest rank writes the pre-step
-    snapshot for a referee (training.integrity.referee) and every rank returns where it is."""
-    cfg = trainer.cfg
-    if (first is None or rerun is None or rerun.ok or not rerun.ambiguous or not cfg.checkpoint.dir
-            or trainer.snapshot is None or not referee_supported(cfg.layout)):
-        return None
-    path = referee_snapshot_path(cfg.checkpoint.dir, step)
-    if trainer.ctx.rank == min(first.ranks):
-        save_referee_snapshot(path, trainer.snapshot.state())
-    prints = {str(r): f"{f:032x}" for r, f in zip(first.ranks, first.fingerprints, strict=True)}
-    return {"snapshot": path, "step": step, "dp_group": list(first.ranks), "fingerprints": prints}
-
-
 def train(ctx: DistContext, cfg: RunConfig, hooks: TrainHooks | None = None, *, resume: bool = True,
           flops_per_token: float | None = None) -> TrainResult:
+    """Run `cfg.steps` steps on this rank (see the module docstring); every rank of the job calls it."""
     hooks = hooks or TrainHooks()
     trainer = Trainer(ctx, cfg, hooks, flops_per_token)
+    try:
+        return _run(trainer, hooks, resume)
+    finally:
+        trainer.close()  # an async save still in flight after a failure dies with the attempt
+
+
+def _run(trainer: Trainer, hooks: TrainHooks, resume: bool) -> TrainResult:
+    cfg, device = trainer.cfg, trainer.ctx.device
     resumed = trainer.restore() if resume else None
-    layout, device = cfg.layout, ctx.device
     tokens_per_step = cfg.global_batch * cfg.model.seq_len
     losses: list[float] = []
     checkpoints: list[CheckpointInfo] = []
@@ -458,22 +307,9 @@ def train(ctx: DistContext, cfg: RunConfig, hooks: TrainHooks | None = None, *, 
         elapsed = time.perf_counter() - started
         losses.append(loss)
         tps = tokens_per_step / elapsed
-        mfu = tps * trainer.flops_per_token / (layout.world_size * trainer.peak) if trainer.peak else None
-        action = hooks.on_step(StepInfo(step, loss, tps, elapsed, mfu, positions)) or Action.CONTINUE
-        want_ckpt = action in (Action.CHECKPOINT, Action.CHECKPOINT_AND_STOP) or hooks.should_checkpoint(step)
-        want_stop = action in (Action.STOP, Action.CHECKPOINT_AND_STOP)
-        hooks.on_collective(step, "agree")
-        want_ckpt, want_stop, failed = _agree([want_ckpt, want_stop, error is not None], device)
-        if failed:
-            shared, found = _shared_error(error)
-            snap = trainer.snapshot
-            if snap is not None and snap.step == step:
-                shared = _rerun_attribution(trainer, step, shared, found)
-            log.error("integrity check failed: %s", shared)
-            reaction = hooks.on_integrity_error(shared) or Action.STOP
-            want_stop = want_stop or _agree([reaction != Action.CONTINUE], device)[0]
-        elif trainer.fingerprint_ran or not trainer.replicas_comparable:
-            hooks.on_verified(step)
+        utilisation = mfu(tps, trainer.flops_per_token, cfg.layout.world_size, trainer.peak)
+        action = hooks.on_step(StepInfo(step, loss, tps, elapsed, utilisation, positions)) or Action.CONTINUE
+        want_ckpt, want_stop = _agree_on_step(trainer, hooks, step, action, error)
         every = cfg.checkpoint.every_steps
         if cfg.checkpoint.dir and (want_ckpt or (every and step % every == 0)):
             checkpoint()
@@ -486,9 +322,31 @@ def train(ctx: DistContext, cfg: RunConfig, hooks: TrainHooks | None = None, *, 
     if cfg.checkpoint.dir and not stopped and last_saved != trainer.step:
         checkpoint()
     if cfg.checkpoint.dir:
-        pending = wait_pending()
+        pending = trainer.checkpointer.wait_pending()
         if pending is not None:
             checkpoints.append(pending)
             hooks.on_checkpoint(pending.step, pending.path, pending.bytes, pending.seconds)
     return TrainResult(final_step=trainer.step, losses=losses, model_digest=trainer.digest(),
                        checkpoints=checkpoints, resumed_from=resumed)
+
+
+def _agree_on_step(trainer: Trainer, hooks: TrainHooks, step: int, action: Action,
+                   error: IntegrityError | None) -> tuple[bool, bool]:
+    """(checkpoint, stop) as every rank agrees after `step`; a failed integrity check anywhere is
+    attributed (re-run from the snapshot when there is one) and shown to `hooks.on_integrity_error`."""
+    device = trainer.ctx.device
+    want_ckpt = action in (Action.CHECKPOINT, Action.CHECKPOINT_AND_STOP) or hooks.should_checkpoint(step)
+    want_stop = action in (Action.STOP, Action.CHECKPOINT_AND_STOP)
+    hooks.on_collective(step, "agree")
+    want_ckpt, want_stop, failed = _agree([want_ckpt, want_stop, error is not None], device)
+    if failed:
+        shared, found = shared_error(error)
+        snap = trainer.snapshot
+        if snap is not None and snap.step == step:
+            shared = rerun_attribution(trainer, step, shared, found)
+        log.error("integrity check failed: %s", shared)
+        reaction = hooks.on_integrity_error(shared) or Action.STOP
+        want_stop = want_stop or _agree([reaction != Action.CONTINUE], device)[0]
+    elif trainer.fingerprint_ran or not trainer.replicas_comparable:
+        hooks.on_verified(step)
+    return want_ckpt, want_stop

@@ -19,12 +19,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.names import NAMESPACE
+
 log = logging.getLogger(__name__)
 
-NAMESPACE = "lattice"
 MiB = 1024 * 1024
 # A dead node is declared after ~period x threshold instead of Ray's ~30 s default, so that a node
-# death (issue 6's kill_node) is detected in seconds; the generous timeout keeps a busy 2-core
+# death (a kill_node fault) is detected in seconds; the generous timeout keeps a busy 2-core
 # machine from failing a live node's health check.
 HEALTH_CHECK_CONFIG = {
     "health_check_initial_delay_ms": 1000,
@@ -85,7 +86,7 @@ class EmbeddedCluster:
         return out
 
     def remove_node(self, name: str) -> None:
-        """Take a simulated node out of the cluster (issue 6's kill_node)."""
+        """Take a simulated node out of the cluster (a kill_node fault)."""
         node = self._nodes.pop(name, None)
         if node is None:
             raise ClusterError(f"no simulated node named {name!r}; have {', '.join(sorted(self._nodes))}")

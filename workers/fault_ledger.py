@@ -1,4 +1,4 @@
-"""What the controller remembers about faults (issue 6), as pure bookkeeping without Ray:
+"""What the controller remembers about faults, as pure bookkeeping without Ray:
 
 - `NodeLedger`: faults per node; suspect after a fault, quarantined after a confirmed SDC or
   after `quarantine_after` faults, dead when the node left the cluster.

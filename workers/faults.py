@@ -1,4 +1,4 @@
-"""Fault injection specs (issue 6): what to break, where and when.
+"""Fault injection specs: what to break, where and when.
 
 A fault is a dict: `{"kind", "at_step", "rank" | "node", "phase", ...kind parameters}`.
 

@@ -1,4 +1,4 @@
-"""The seam for issue 6's kill_node: the controller asks, the owner of the cluster acts.
+"""The seam for kill_node faults: the controller asks, the owner of the cluster acts.
 
 A job controller is a Ray actor; it cannot own the `ray.cluster_utils.Cluster` that started the
 simulated nodes (that lives in the driver: `lattice serve`, the demo, the tests). So the owner
@@ -9,7 +9,7 @@ reports its actors with `ActorDiedError` / the node as dead.
 
 `request_node_kill(name)` is what a controller calls; it returns False when nobody serves the
 mailbox (a production cluster: the controller then kills the job's rank processes on that node
-and marks the node dead itself, see workers.controller).
+and marks the node dead itself, see workers.controller.injection).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import threading
 import time
 from typing import Any
 
+from workers.names import KILLER_NAME, NAMESPACE, head_node_id
+
 log = logging.getLogger(__name__)
 
-KILLER_NAME = "lattice-node-killer"
-NAMESPACE = "lattice"
 
 
 class NodeKillerMailbox:
@@ -58,11 +58,9 @@ class NodeKillService:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from workers.controller import _head_node_id
-
         self.cluster = cluster
         self.poll_s = poll_s
-        head = _head_node_id()
+        head = head_node_id()
         strategy = NodeAffinitySchedulingStrategy(head, soft=True) if head else "DEFAULT"
         self.mailbox = ray.remote(NodeKillerMailbox).options(
             name=KILLER_NAME, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=strategy,

@@ -114,6 +114,24 @@ def _node_order_key(n: NodeInfo) -> tuple[int, str]:
     return (0 if n.health == "ready" else 1, n.name)
 
 
+def _racks_for_chunks(
+    chunk_units: Sequence[int], racks: Sequence[str], rack_cap: Callable[[str], int]
+) -> list[str]:
+    """The home rack of each chunk of pipeline stages (`chunk_units[c]` placement units), a fresh
+    rack first while one has room for the whole chunk."""
+    rack_of_chunk: list[str] = []
+    for units in chunk_units:
+        left = {r: rack_cap(r) - _reserved_units(r, rack_of_chunk, chunk_units) for r in racks}
+        fresh = [r for r in racks if r not in rack_of_chunk and left[r] >= units]
+        fits = fresh or [r for r in racks if left[r] >= units]
+        if fits:  # best fit: the rack that holds the chunk whole with the least left over
+            choice = min(fits, key=lambda r: (left[r], r))
+        else:  # the chunk will spill; start it in the roomiest rack
+            choice = sorted(racks, key=lambda r: (-left[r], r))[0]
+        rack_of_chunk.append(choice)
+    return rack_of_chunk
+
+
 def place(layout: Layout, topology: Topology, *, exclude_nodes: Iterable[str] = ()) -> Placement:
     """Map every rank of `layout` to (node, rack, GPU slot) on `topology`'s free GPUs.
 
@@ -155,16 +173,7 @@ def place(layout: Layout, topology: Topology, *, exclude_nodes: Iterable[str] = 
     k = max(1, min(pp, len(nodes_by_rack)))
     chunk_of_stage = [s * k // pp for s in range(pp)]
     chunk_units = [chunk_of_stage.count(c) * units_per_stage for c in range(k)]
-    rack_of_chunk: list[str] = []
-    for c in range(k):
-        left = {r: rack_cap(r) - _reserved_units(r, rack_of_chunk, chunk_units) for r in nodes_by_rack}
-        fresh = [r for r in nodes_by_rack if r not in rack_of_chunk and left[r] >= chunk_units[c]]
-        fits = fresh or [r for r in nodes_by_rack if left[r] >= chunk_units[c]]
-        if fits:  # best fit: the rack that holds the chunk whole with the least left over
-            choice = min(fits, key=lambda r: (left[r], r))
-        else:  # the chunk will spill; start it in the roomiest rack
-            choice = sorted(nodes_by_rack, key=lambda r: (-left[r], r))[0]
-        rack_of_chunk.append(choice)
+    rack_of_chunk = _racks_for_chunks(chunk_units, list(nodes_by_rack), rack_cap)
 
     ranks: list[RankPlacement] = []
     used_on_node: dict[str, int] = {}

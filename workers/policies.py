@@ -7,7 +7,7 @@ The controller's state machine detects *what* happened; a policy decides *what t
 - `ScalingPolicy.on_unplaceable(...)` -> `ScalingDecision`: wait for capacity, re-plan the
   layout for what is left, or fail.
 
-Issue 6 (fault tolerance) plugs in here: attribution-aware failure policies (quarantine a node
+Fault tolerance plugs in here too: attribution-aware failure policies (quarantine a node
 after a confirmed SDC or N faults, fast-path replacement of only the dead ranks) and a
 replanning scaling policy backed by the service's planner, injected as a callable so that
 `workers` never imports `service`.
@@ -30,9 +30,9 @@ class FailureKind(enum.StrEnum):
     RANK_ERROR = "rank_error"  # the training function raised
     HANG = "hang"  # no heartbeat/progress within the timeout
     STARTUP = "startup"  # actors could not be created or the rendezvous failed
-    SDC = "sdc"  # silent data corruption (fingerprint mismatch, NaN/Inf, loss spike): issue 6
-    CHECKPOINT = "checkpoint"  # a damaged / unverifiable checkpoint: issue 6
-    STRAGGLER = "straggler"  # a rank that keeps the others waiting at every step: issue 6
+    SDC = "sdc"  # silent data corruption (fingerprint mismatch, NaN/Inf, loss spike)
+    CHECKPOINT = "checkpoint"  # a damaged / unverifiable checkpoint
+    STRAGGLER = "straggler"  # a rank that keeps the others waiting at every step
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class FailureDecision:
     reason: str
     exclude_nodes: tuple[str, ...] = ()  # avoid these nodes when placing the restart
     suspect_nodes: tuple[str, ...] = ()  # mark these nodes suspect in the health overlay
-    quarantine_nodes: tuple[str, ...] = ()  # never use these nodes again (issue 6 ledger)
+    quarantine_nodes: tuple[str, ...] = ()  # never use these nodes again (the node ledger)
 
 
 class FailurePolicy(ABC):
@@ -192,7 +192,7 @@ def keep_global_batch_replanner(topology: Topology, layout: Layout) -> Layout | 
 
 @dataclass
 class ReplanPolicy(ScalingPolicy):
-    """Issue 6's 'replan when capacity is short': ask `replanner(topology, layout)` (the
+    """Replan when capacity is short: ask `replanner(topology, layout)` (the
     service's planner, injected) for a layout that fits what is left; wait when it has none.
     Re-sharding the checkpoint into the new layout is the training engine's (DCP by FQN)."""
 

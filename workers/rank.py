@@ -7,7 +7,7 @@ controller can `poll()` it while it trains. Hooks (`make_hooks`) push events (st
 errors, the result) into an in-actor buffer; `poll()` drains it and reports a heartbeat: seconds since the
 training thread last made progress, measured on the actor's own monotonic clock.
 
-Fault injection for issue 6 (`schedule_fault`, specs in workers.faults): kill_rank, hang_rank
+Fault injection (`schedule_fault`, specs in workers.faults): kill_rank, hang_rank
 and slow_rank act from the step hook (or, with phase "checkpoint", when a save begins); bit flips
 go through the engine's injector (`RankActor.injector`). Before a kill the actor tells its job's
 controller (`JobController.report`), since its own event buffer dies with it.
@@ -19,18 +19,19 @@ ranks' processes and replaces only the dead ones).
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import logging
-import math
 import os
 import signal
 import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
+
+from workers.engine_imports import import_callable, warm_imports
+from workers.events import CheckpointReport, CollectiveReport, EventKind, FaultReport, plain, rank_event
+from workers.names import NAMESPACE, controller_name
 
 log = logging.getLogger(__name__)
 
@@ -40,57 +41,6 @@ RANK_FAULT_KINDS = ("kill_rank", "hang_rank", "slow_rank", "bitflip", "kill_node
 ACTIONS = ("checkpoint", "stop", "checkpoint_and_stop")
 
 
-# What a rank (and the controller, for checkpoint scrubbing) imports before its first use: torch
-# and the engine take seconds to import, which a replacement rank or the first scrub would
-# otherwise spend on the recovery path.
-WARM_MODULES = ("torch", "torch.distributed.checkpoint", "training.checkpoint.checkpointer", "training.train")
-
-
-def warm_imports(modules: tuple[str, ...] = WARM_MODULES) -> threading.Thread:
-    """Import `modules` in a background thread (the import lock makes a later import wait for it)."""
-
-    def run() -> None:
-        for name in modules:
-            try:
-                importlib.import_module(name)
-            except Exception as e:  # noqa: BLE001 - the real import will report it
-                log.debug("warm import of %s failed: %s", name, e)
-
-    thread = threading.Thread(target=run, name="lattice-warm-imports", daemon=True)
-    thread.start()
-    return thread
-
-
-def import_callable(path: str) -> Callable[..., Any]:
-    """'package.module:function' -> the function."""
-    module, _, name = path.partition(":")
-    if not module or not name:
-        raise ValueError(f"train_fn must look like 'package.module:function', got {path!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def _plain(value: Any) -> Any:
-    """Dataclasses / objects from the engine -> JSON-friendly dicts and lists."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if hasattr(value, "item"):  # a 0-d tensor
-        try:
-            return _plain(value.item())
-        except Exception:  # noqa: BLE001
-            pass
-    if hasattr(value, "__dict__"):
-        return {k: _plain(v) for k, v in vars(value).items() if not k.startswith("_")}
-    return str(value)
-
-
 def make_hooks(actor: RankActor) -> Any:
     """A `training.train.TrainHooks` that reports into `actor`'s buffer (imported lazily so that
     an actor which only reports where it runs never imports torch)."""
@@ -98,40 +48,42 @@ def make_hooks(actor: RankActor) -> Any:
 
     class RankHooks(TrainHooks):
         def on_step(self, info: Any) -> Any:
-            actor._record("step", {**_plain(info), "dp": actor.coord.get("dp", 0)})
-            actor._report_flips(info.step)
-            actor._after_step(info.step, "step")
-            wanted = actor._take_action()
+            actor.record(EventKind.STEP, {**plain(info), "dp": actor.coord.get("dp", 0)})
+            actor.report_flips(info.step)
+            actor.after_step(info.step, "step")
+            wanted = actor.take_action()
             return Action(wanted) if wanted else None
 
         def on_restore(self, step: int | None) -> None:
-            actor._record("restored", {"step": step})
+            actor.record(EventKind.RESTORED, {"step": step})
 
         def on_collective(self, step: int, name: str) -> None:
-            actor._record("collective", {"step": step, "name": name})
+            actor.record(EventKind.COLLECTIVE, CollectiveReport(step=step, name=name))
 
         def on_checkpoint_start(self, step: int) -> None:
-            actor._after_step(step, "checkpoint")  # a fault here stops this rank before the save...
-            actor._record("collective", {"step": step, "name": "checkpoint"})  # ...the others are in it
+            actor.after_step(step, "checkpoint")  # a fault here stops this rank before the save...
+            # ...while the others are in it:
+            actor.record(EventKind.COLLECTIVE, CollectiveReport(step=step, name="checkpoint"))
 
         def on_verified(self, step: int) -> None:
-            actor._record("verified", {"step": step})
+            actor.record(EventKind.VERIFIED, {"step": step})
 
         def on_checkpoint(self, step: int, path: str, nbytes: int, seconds: float) -> None:
-            actor._after_commit(step, path)  # a corrupt_checkpoint fault lands before anyone hears of it
-            actor._record("checkpoint", {"step": step, "path": path, "bytes": nbytes, "seconds": seconds})
+            actor.after_commit(step, path)  # a corrupt_checkpoint fault lands before anyone hears of it
+            actor.record(EventKind.CHECKPOINT,
+                         CheckpointReport(step=step, path=path, bytes=nbytes, seconds=seconds))
 
         def on_integrity_error(self, error: Any) -> Any:
-            actor._record(
-                "integrity_error",
+            actor.record(
+                EventKind.INTEGRITY_ERROR,
                 {"error_kind": error.kind, "step": error.step, "ranks": list(error.ranks),
-                 "evidence": _plain(error.evidence), "message": str(error)},
+                 "evidence": plain(error.evidence), "message": str(error)},
             )
             raise error
 
     hooks = RankHooks()
     hooks.injector = actor.injector
-    hooks.restore_steps = actor._restore_steps
+    hooks.restore_steps = actor.restore_steps
     return hooks
 
 
@@ -157,10 +109,11 @@ class RankActor:
         self._faults: list[dict[str, Any]] = []
         self._slow_s = 0.0
         self._action: str | None = None
-        # Issue 6: a training.integrity.fingerprint.BitFlipInjector for this rank, handed to the engine.
+        # The engine's bit-flip injector for this rank (bitflip faults), handed to the engine.
         self.injector: Any = None
         self._flips_reported = 0
-        self._restore_steps: set[int] | None = None
+        self.restore_steps: set[int] | None = None  # the checkpoints this attempt may restore
+        self._controller_handle: Any = None
         self._attempts = 0
         warm_imports()  # a replacement rank imports the engine while its peers reset
 
@@ -213,7 +166,7 @@ class RankActor:
         (the verified ones; None = any valid one). May run again after `reset()`."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError(f"rank {self.rank} is still training")
-        self._restore_steps = None if restore_steps is None else set(restore_steps)
+        self.restore_steps = None if restore_steps is None else set(restore_steps)
         self._attempts += 1
         with self._lock:
             self._state = "running"
@@ -257,29 +210,30 @@ class RankActor:
             ctx = init_distributed(
                 self.rank, self.world_size, master_addr, master_port, timeout_s=rendezvous_timeout_s
             )
-            self._record("started", {"backend": ctx.backend, "device": str(ctx.device)})
+            self.record(EventKind.STARTED, {"backend": ctx.backend, "device": str(ctx.device)})
             try:
                 result = fn(ctx, run_cfg, make_hooks(self), resume=resume, flops_per_token=flops_per_token)
             finally:
                 shutdown()
-            plain = _plain(result)
+            value = plain(result)
             with self._lock:
-                self._result = plain if isinstance(plain, dict) else {"value": plain}
+                self._result = value if isinstance(value, dict) else {"value": value}
                 self._state = "finished"
-            self._record("finished", {"final_step": self._result.get("final_step")})
+            self.record(EventKind.FINISHED, {"final_step": self._result.get("final_step")})
         except BaseException as e:  # noqa: BLE001 - a rank's failure is reported, not raised
             tb = traceback.format_exc()
             log.warning("rank %d failed: %s", self.rank, e)
             with self._lock:
                 self._error = f"{type(e).__name__}: {e}"
                 self._state = "failed"
-            self._record("failed", {"error": self._error, "traceback": tb[-4000:]})
+            self.record(EventKind.FAILED, {"error": self._error, "traceback": tb[-4000:]})
 
-    def _record(self, kind: str, data: dict[str, Any]) -> None:
-        event = {"kind": kind, "rank": self.rank, "t": time.time(), **data}
+    def record(self, kind: EventKind, data: Mapping[str, Any]) -> None:
+        """Buffer an event for the controller's next poll (it also counts as progress)."""
+        event = rank_event(kind, self.rank, time.time(), data)
         with self._lock:
             self._last_progress = time.monotonic()
-            if kind == "step":
+            if kind == EventKind.STEP:
                 self._stepped = True
                 step = data.get("step")
                 if isinstance(step, int):
@@ -289,8 +243,8 @@ class RankActor:
                 self._events.pop(0)
                 self._dropped += 1
 
-    def _after_step(self, step: Any, phase: str = "step") -> None:
-        """Run the faults due at this step (issue 6 injection): after the step's hook (phase
+    def after_step(self, step: Any, phase: str = "step") -> None:
+        """Run the faults due at this step: after the step's hook (phase
         "step") or when a checkpoint save begins (phase "checkpoint")."""
         if self._slow_s > 0 and phase == "step":
             time.sleep(self._slow_s)
@@ -302,22 +256,22 @@ class RankActor:
             self._faults.remove(fault)
             if fault["kind"] == "kill_rank":
                 self._controller()  # look it up first: the fault's time is the death, not the lookup
-            info = {"fault": fault["kind"], "step": step, "phase": phase, "t_fault": time.time()}
+            info = FaultReport(fault=fault["kind"], step=step, phase=phase, t_fault=time.time())
             if fault["kind"] == "kill_node":  # the controller removes the node (ours dies with it)
                 self._trigger({**fault, "step": step, "phase": phase})
             elif fault["kind"] == "kill_rank":
-                self._record("fault_injected", info)
-                self._tell_controller("fault_injected", info)
+                self.record(EventKind.FAULT_INJECTED, info)
+                self._tell_controller(EventKind.FAULT_INJECTED, info)
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault["kind"] == "hang_rank":
-                self._record("fault_injected", info)
+                self.record(EventKind.FAULT_INJECTED, info)
                 while not self._stop.is_set():
                     time.sleep(0.05)
             elif fault["kind"] == "slow_rank":
                 self._slow_s = float(fault.get("seconds", 1.0))
-                self._record("fault_injected", {**info, "seconds": self._slow_s})
+                self.record(EventKind.FAULT_INJECTED, {**info, "seconds": self._slow_s})
 
-    def _after_commit(self, step: int, path: str) -> None:
+    def after_commit(self, step: int, path: str) -> None:
         """corrupt_checkpoint: the controller damages the first checkpoint committed at or after
         the fault's step."""
         for fault in [f for f in self._faults if f["kind"] == "corrupt_checkpoint" and f["at_step"] <= step]:
@@ -328,30 +282,26 @@ class RankActor:
         try:
             import ray
 
-            from workers.controller import NAMESPACE, controller_name
-
             handle = ray.get_actor(controller_name(self.job_id), namespace=NAMESPACE)
             ray.get(handle.trigger.remote(self.rank, fault), timeout=60.0)
-        except Exception as e:  # noqa: BLE001 - reported, training goes on
+        except Exception as e:  # noqa: BLE001 - any failure of the Ray call is reported; training goes on
             log.warning("rank %d: %s fault could not be carried out: %s", self.rank, fault.get("kind"), e)
-            self._record("fault_failed", {"fault": fault.get("kind"), "error": str(e)[:500]})
+            self.record(EventKind.FAULT_FAILED, {"fault": fault.get("kind"), "error": str(e)[:500]})
 
-    def _report_flips(self, step: Any) -> None:
+    def report_flips(self, step: Any) -> None:
         """Bit flips the engine applied since the last step (they fire inside the step)."""
         applied = list(getattr(self.injector, "applied", []) or [])
         for flip in applied[self._flips_reported:]:
-            self._record("fault_injected", {"fault": "bitflip", "step": flip.step, "phase": "step",
-                                            "t_fault": time.time(), "target": flip.target,
-                                            "name": flip.name, "index": flip.index, "bit": flip.bit})
+            self.record(EventKind.FAULT_INJECTED, FaultReport(
+                fault="bitflip", step=flip.step, phase="step", t_fault=time.time(), target=flip.target,
+                name=flip.name, index=flip.index, bit=flip.bit))
         self._flips_reported = len(applied)
 
     def _controller(self) -> Any:
         """This job's controller actor (looked up once), or None without one."""
-        if getattr(self, "_controller_handle", None) is None:
+        if self._controller_handle is None:
             try:
                 import ray
-
-                from workers.controller import NAMESPACE, controller_name
 
                 self._controller_handle = ray.get_actor(controller_name(self.job_id), namespace=NAMESPACE)
             except Exception as e:  # noqa: BLE001 - no controller (a bare group in a test)
@@ -359,7 +309,7 @@ class RankActor:
                 return None
         return self._controller_handle
 
-    def _tell_controller(self, kind: str, data: dict[str, Any]) -> None:
+    def _tell_controller(self, kind: EventKind, data: Mapping[str, Any]) -> None:
         """Deliver an event that must outlive this process (best effort, bounded wait)."""
         try:
             import ray
@@ -367,7 +317,7 @@ class RankActor:
             handle = self._controller()
             if handle is None:
                 return
-            event = {"kind": kind, "rank": self.rank, "t": time.time(), **data}
+            event = rank_event(kind, self.rank, time.time(), data)
             ray.get(handle.report.remote(self.rank, event), timeout=5.0)
         except Exception as e:  # noqa: BLE001 - no controller (a bare group in a test), or it is gone
             log.debug("rank %d: could not report %s to the controller: %s", self.rank, kind, e)
@@ -380,7 +330,8 @@ class RankActor:
         with self._lock:
             self._action = action
 
-    def _take_action(self) -> str | None:
+    def take_action(self) -> str | None:
+        """The action requested since the last step, if any (taken once)."""
         with self._lock:
             action, self._action = self._action, None
         return action
@@ -390,7 +341,7 @@ class RankActor:
             raise ValueError(f"fault kind must be one of {', '.join(RANK_FAULT_KINDS)}, got {kind!r}")
         fault = {"kind": kind, "at_step": int(at_step), **params}
         if kind == "bitflip":
-            from training.integrity.fingerprint import BitFlip, BitFlipInjector
+            from training.integrity.injection import BitFlip, BitFlipInjector
 
             flip = BitFlip(step=max(int(at_step), 1), rank=self.rank, target=params.get("target", "param"),
                            name=params.get("name", "layers.0.attention.wq.weight"),
@@ -409,15 +360,11 @@ class RankActor:
             thread.join(timeout_s)
             if thread.is_alive():
                 return False
-        try:  # a save that was in flight when the attempt failed must not block the next one
-            import training.checkpoint.checkpointer as ckpt
-
-            ckpt._pending = None  # noqa: SLF001 - its process group is gone with the attempt
-        except ImportError:
-            pass
+        # A save in flight when the attempt failed died with the attempt's Checkpointer (train()
+        # closes it), so nothing carries over into the next start.
         with self._lock:
             self._state = "idle"
-            self._events = [e for e in self._events if e["kind"] == "fault_injected"]
+            self._events = [e for e in self._events if e["kind"] == EventKind.FAULT_INJECTED]
         self._thread = None
         self._stop.clear()
         return True

@@ -1,4 +1,4 @@
-"""A spare rank on a healthy node that referees two replicas disagreeing persistently (issue 6).
+"""A spare rank on a healthy node that referees two replicas disagreeing persistently.
 
 The ranks of a DP = 2 job whose re-run from the pre-step snapshot disagreed again write that
 snapshot (training.train, training.integrity.referee) and name it in the integrity error's evidence. The

@@ -16,10 +16,11 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from workers.names import HEAD_RESOURCE
+
 HEALTH_STATES: tuple[str, ...] = ("ready", "suspect", "quarantined", "dead")
 RACK_LABEL = "rack"
 NODE_NAME_LABEL = "node_name"
-HEAD_RESOURCE = "node:__internal_head__"
 UNKNOWN_RACK = "default"
 
 

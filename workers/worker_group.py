@@ -19,6 +19,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from training.config.run import RunConfig
+from workers.names import placement_group_name
 from workers.placement import Placement, PlacementError, RankPlacement, release, reserve
 from workers.rank import DEFAULT_TRAIN_FN, RankActor
 from workers.topology import Topology
@@ -84,7 +85,7 @@ class WorkerGroup(ABC):
     ) -> list[RankPlacement]:
         """Create the ranks in the reservation, rendezvous, launch training. Returns where each
         rank really runs. `faults` ({"kind", "rank", "at_step", ...}) are armed before training
-        starts (issue 6 injection); `restore_steps` limits the checkpoints the ranks may resume
+        starts (fault injection); `restore_steps` limits the checkpoints the ranks may resume
         from (the verified ones; None = any valid one). Raises WorkerGroupStartupError."""
 
     @abstractmethod
@@ -95,20 +96,20 @@ class WorkerGroup(ABC):
     def shutdown(self) -> None:
         """End the ranks and release the reservation; idempotent."""
 
-    def inject_fault(self, kind: str, rank: int, at_step: int, **params: Any) -> None:  # noqa: B027
-        """Issue 6: schedule a rank-level fault. Optional for implementations."""
+    def inject_fault(self, kind: str, rank: int, at_step: int, **params: Any) -> None:
+        """Schedule a rank-level fault (fault injection). Optional for implementations."""
         raise NotImplementedError(f"{type(self).__name__} does not inject faults")
 
-    def replace_ranks(  # noqa: B027
+    def replace_ranks(
         self, ranks: Sequence[int], run_cfg: RunConfig, *, faults: Sequence[Mapping[str, Any]] = (),
         restore_steps: Collection[int] | None = None,
     ) -> list[RankPlacement]:
-        """Issue 6 fast path: keep the other ranks' processes, start new ones for `ranks` in their
+        """The recovery fast path: keep the other ranks' processes, start new ones for `ranks` in their
         reservation slots, rendezvous again on a new port and resume everyone. Raises
         WorkerGroupError when it cannot (the caller falls back to a full restart)."""
         raise WorkerGroupError(f"{type(self).__name__} cannot replace single ranks")
 
-    def kill_ranks_on_node(self, node_name: str) -> list[int]:  # noqa: B027
+    def kill_ranks_on_node(self, node_name: str) -> list[int]:
         """End every rank process on `node_name` (a node death without a cluster to remove it from)."""
         raise NotImplementedError(f"{type(self).__name__} cannot kill ranks")
 
@@ -116,7 +117,7 @@ class WorkerGroup(ABC):
         """Does the cluster still see this node alive (default: assume so)?"""
         return True
 
-    def request_action(self, action: str) -> None:  # noqa: B027
+    def request_action(self, action: str) -> None:  # noqa: B027 - an optional hook that may do nothing
         """Ask every rank for 'checkpoint' / 'stop' / 'checkpoint_and_stop' at the next step."""
 
 
@@ -164,7 +165,7 @@ class RayWorkerGroup(WorkerGroup):
         self._attempt += 1
         self._pg = reserve(
             placement,
-            name=f"lattice-job-{self.job_id}-a{self._attempt}",
+            name=placement_group_name(self.job_id, self._attempt),
             cpus_per_rank=self.cpus_per_rank,
             timeout_s=self.reserve_timeout_s,
             should_stop=self._should_stop,
@@ -273,7 +274,7 @@ class RayWorkerGroup(WorkerGroup):
         stuck = [r for r, ok in zip(survivors, done, strict=True) if not ok]
         if stuck:
             raise WorkerGroupError(f"fast path: ranks {stuck} are still inside the failed step")
-        actual = {r.rank: r for r in getattr(self, "_where", [])}
+        actual = {r.rank: r for r in self._where}
         for r, w in zip(sorted(doomed), where, strict=True):
             i = placement.ranks[r]
             actual[r] = RankPlacement(rank=r, pp=i.pp, dp=i.dp, cp=i.cp, tp=i.tp, node_id=w["node_id"],
@@ -284,7 +285,7 @@ class RayWorkerGroup(WorkerGroup):
         return list(self._where)
 
     def kill_ranks_on_node(self, node_name: str) -> list[int]:
-        killed = [r.rank for r in getattr(self, "_where", []) if r.node_name == node_name]
+        killed = [r.rank for r in self._where if r.node_name == node_name]
         for r in killed:
             try:
                 ray.kill(self._actors[r], no_restart=True)
@@ -293,7 +294,7 @@ class RayWorkerGroup(WorkerGroup):
         return killed
 
     def node_alive(self, node_name: str) -> bool:
-        ids = {r.node_id for r in getattr(self, "_where", []) if r.node_name == node_name}
+        ids = {r.node_id for r in self._where if r.node_name == node_name}
         for n in ray.nodes():
             labels = n.get("Labels") or {}
             if str(n["NodeID"]) in ids or labels.get("node_name") == node_name:

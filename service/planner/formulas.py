@@ -7,81 +7,21 @@ against it directly; the search (costmodel.py) composes these.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from training.config.arithmetic import ParamCounts, flops_per_token, param_counts, total_params
 from training.config.spec import ModelSpec
+
+# The model arithmetic (parameter counts, FLOPs per token) is training.config.arithmetic's, shared
+# with the trainer's MFU metric; re-exported here for the planner's importers.
+__all__ = [
+    "V_SHAPED", "ParamCounts", "activation_bytes_per_layer", "bubble_fraction", "cp_ring_bytes_per_layer",
+    "ep_all_to_all_bytes_per_layer", "flops_per_token", "hops", "inflight_microbatches", "model_state_bytes",
+    "param_counts", "recompute_flops_per_token_layer", "ring_bytes", "ring_recompute_flops_per_token_layer",
+    "total_params", "tp_bytes_per_layer",
+]
 
 # Schedules whose pipeline rank holds both the first and the last stage (V shape).
 V_SHAPED = ("zbv_zero_bubble", "dualpipev")
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameters of one model, split by where they live and how they are sharded.
-
-    Per-layer figures are averages over the layers: with ModelSpec.moe_layer_freq > 1 only every
-    k-th block is MoE, so `mlp`, `experts`, `expert_active` and `router` are the dense MLP and the
-    MoE parts weighted by their share of the blocks (then layers x per-layer figure is exact).
-    """
-
-    attn: float  # per layer: q, k, v, o projections
-    mlp: float  # per layer: dense MLP (0 for an all-MoE model)
-    experts: float  # per layer: all experts together (0 for dense)
-    expert_active: float  # per layer: the top_k experts a token passes through
-    router: float  # per layer
-    norms: float  # per layer
-    embed: int  # input embedding
-    head: int  # output projection (0 when tied)
-    final_norm: int
-    moe_fraction: float = 0.0  # share of the blocks that are MoE
-
-    @property
-    def per_layer(self) -> float:
-        return self.attn + self.mlp + self.experts + self.router + self.norms
-
-    @property
-    def per_layer_dense(self) -> float:
-        """Per-layer parameters sharded by TP only (everything but the experts)."""
-        return self.attn + self.mlp + self.router + self.norms
-
-    @property
-    def matmul_active_per_layer(self) -> float:
-        """Per-layer weights a token multiplies with (Kaplan et al. 2020: C = 6N per token; for MoE only
-        the top_k experts it is routed to, Fedus et al. 2022, Switch Transformer, Sec. 2)."""
-        return self.attn + self.mlp + self.expert_active + self.router
-
-
-def param_counts(model: ModelSpec) -> ParamCounts:
-    h, f = model.hidden, model.ffn_dim
-    kv_dim = model.n_kv_heads * model.head_dim
-    attn = 2 * h * h + 2 * h * kv_dim  # q and o are h x h; k and v are h x kv_dim (GQA)
-    mats = 3 if model.activation == "swiglu" else 2  # SwiGLU has gate, up, down; GeLU MLP has up, down
-    frac = model.num_moe_layers / model.layers if model.is_moe else 0.0
-    one_expert = mats * h * model.expert_ffn_dim
-    mlp = (1.0 - frac) * mats * h * f
-    experts = frac * model.num_experts * one_expert
-    active = frac * model.top_k * one_expert
-    router = frac * h * model.num_experts
-    embed = model.vocab * h
-    head = 0 if model.tied_embeddings else model.vocab * h
-    return ParamCounts(attn, mlp, experts, active, router, 2 * h, embed, head, h, frac)
-
-
-def total_params(model: ModelSpec) -> int:
-    c = param_counts(model)
-    return round(model.layers * c.per_layer + c.embed + c.head + c.final_norm)
-
-
-def flops_per_token(model: ModelSpec, seq_len: int) -> float:
-    """Model FLOPs per trained token (forward + backward), without recomputation.
-
-    6 FLOPs per weight a token touches (Kaplan et al. 2020) plus attention scores and values,
-    12 * layers * hidden * seq_len (Chowdhery et al. 2022, PaLM, Appendix B; no causal discount).
-    The input embedding is a lookup (no FLOPs); the output projection is a matmul (6 * vocab * hidden).
-    """
-    c = param_counts(model)
-    per_layer = 6.0 * c.matmul_active_per_layer + 12.0 * model.hidden * seq_len
-    return model.layers * per_layer + 6.0 * model.vocab * model.hidden
 
 
 def recompute_flops_per_token_layer(model: ModelSpec, seq_len: int, recompute: str) -> float:

@@ -9,16 +9,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 
-from service.planner.costmodel import Env
-from service.planner.search import (
+from service.planner.candidates import (
     DEFAULT_SCHEDULES,
     MAX_MICRO_BATCH,
     MIN_CP_TOKENS,
     RECOMPUTE,
-    _detail_for,
-    _divisors,
-    _schedule_options,
+    detail_for,
+    divisors,
+    schedule_options,
 )
+from service.planner.costmodel import Env
 from service.planner.specs import ClusterSpec, TrainSpec
 from training.config.layout import Layout
 from training.config.spec import ModelSpec
@@ -35,25 +35,25 @@ def valid_layouts(
     in no particular order."""
     n, gpn, rack = cluster.num_gpus, cluster.gpn, cluster.rack_size
     s, g = train.seq_len, train.global_batch
-    for tp in _divisors(gpn):
+    for tp in divisors(gpn):
         if model.heads % tp or model.n_kv_heads % tp or n % tp:
             continue
-        for cp in _divisors(n // tp):
+        for cp in divisors(n // tp):
             if s % cp or (cp > 1 and s // cp < MIN_CP_TOKENS):
                 continue
             if n > rack and (tp * cp > rack or rack % (tp * cp)):
                 continue
-            for pp in _divisors(n // (tp * cp)):
+            for pp in divisors(n // (tp * cp)):
                 dp = n // (tp * cp * pp)
                 if pp > model.layers or dp > g or g % dp:
                     continue
-                eps = _divisors(math.gcd(model.num_experts, dp * cp)) if model.is_moe else [1]
+                eps = divisors(math.gcd(model.num_experts, dp * cp)) if model.is_moe else [1]
                 for ep in eps:
-                    for mbs in _divisors(g // dp):
+                    for mbs in divisors(g // dp):
                         if mbs > MAX_MICRO_BATCH:
                             continue
                         m = g // dp // mbs
-                        for schedule, v in _schedule_options(pp, m, model.layers, schedules):
+                        for schedule, v in schedule_options(pp, m, model.layers, schedules):
                             for sp in (True, False) if tp > 1 else (False,):
                                 for rc in RECOMPUTE:
                                     for z in zero_stages:
@@ -74,7 +74,7 @@ def reference_best(
     count = 0
     for layout in valid_layouts(model, train, cluster, zero_stages):
         count += 1
-        d = _detail_for(env, layout)
+        d = detail_for(env, layout)
         if d.fits and d.step_time_s < best_t:
             best, best_t = layout, d.step_time_s
     return best, best_t, count

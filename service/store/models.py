@@ -113,6 +113,7 @@ class Tenant(Base):
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    max_priority: Mapped[int | None] = mapped_column(Integer)  # None: the service default cap
 
 
 class ApiToken(Base):
@@ -128,6 +129,8 @@ class ApiToken(Base):
     description: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[dt.datetime | None]
+    expires_at: Mapped[dt.datetime | None]  # None: never expires
+    last_used_at: Mapped[dt.datetime | None]
 
 
 class Job(Base):
@@ -162,6 +165,8 @@ class Job(Base):
     # Last job-controller event seq stored (the scheduler resumes polling after it).
     controller_seq: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text)
+    reason: Mapped[str | None] = mapped_column(Text)  # why the job is in its state, for people
+    progress: Mapped[dict[str, Any] | None]  # progress beyond step/loss/tokens_per_s/mfu (eta, goodput, ...)
     # Allocates job_events.seq atomically (UPDATE ... RETURNING), see store.jobs.append_event.
     event_seq: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
@@ -213,6 +218,7 @@ class Node(Base):
     health: Mapped[str] = mapped_column(String(16), default=NodeHealth.READY.value)
     fault_count: Mapped[int] = mapped_column(Integer, default=0)
     last_fault: Mapped[str | None] = mapped_column(Text)
+    fault_jobs: Mapped[list[str] | None] = mapped_column(JSONType)  # jobs whose faults counted here
     last_fault_at: Mapped[dt.datetime | None]
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 

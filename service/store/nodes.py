@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -71,3 +73,33 @@ def list_nodes(session: Session, *, health: str | NodeHealth | None = None) -> l
     if health is not None:
         query = query.where(Node.health == parse_health(health).value)
     return list(session.scalars(query))
+
+
+def uncordoned_health(row: Node) -> str:
+    """The health a cordoned node has underneath (and returns to when uncordoned)."""
+    return NodeHealth.SUSPECT.value if row.fault_count else NodeHealth.READY.value
+
+
+@dataclass(frozen=True)
+class ClusterLedger:
+    """The store's view of the nodes, keyed by node name: health in Topology's terms (ready,
+    suspect, quarantined, dead), the cordoned set, fault counts."""
+
+    health: dict[str, str] = field(default_factory=dict)
+    cordoned: frozenset[str] = frozenset()
+    faults: dict[str, int] = field(default_factory=dict)
+
+
+def read_ledger(session: Session) -> ClusterLedger:
+    """The health ledger placement reads, from the nodes table."""
+    health: dict[str, str] = {}
+    cordoned: set[str] = set()
+    faults: dict[str, int] = {}
+    for row in list_nodes(session):
+        faults[row.id] = row.fault_count
+        if row.health == NodeHealth.CORDONED.value:
+            cordoned.add(row.id)
+            health[row.id] = uncordoned_health(row)
+        else:
+            health[row.id] = row.health
+    return ClusterLedger(health, frozenset(cordoned), faults)

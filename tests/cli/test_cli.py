@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from click.testing import Result
 from sqlalchemy import select
 from typer.testing import CliRunner
 
@@ -74,11 +75,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         proc.wait(timeout=30)
 
 
-def run(args: list[str], env: dict[str, str]):  # noqa: ANN201 - click's Result
+def run(args: list[str], env: dict[str, str]) -> Result:
     return CliRunner().invoke(app, args, env=env)
 
 
-def assert_one_line_error(result, *words: str) -> None:  # noqa: ANN001
+def assert_one_line_error(result: Result, *words: str) -> None:
     assert result.exit_code != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr

@@ -1,6 +1,7 @@
 """docker-compose.yml: valid for Debian's `docker-compose config` (which validates against the
-compose-spec schema it ships), secrets required, services gated as issue 7 says, every file it
-references present in the repository, and its addresses consistent with prometheus.yml."""
+compose-spec schema it ships), secrets required, services started in dependency order (health
+checks, the migration first), every file it references present in the repository, and its
+addresses consistent with prometheus.yml."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Grafana: the provisioning files and the three dashboards fit together and show what issue 7 asks."""
+"""Grafana: the provisioning files and the three dashboards (jobs, cluster, fault tolerance) fit together."""
 
 from __future__ import annotations
 

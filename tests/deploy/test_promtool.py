@@ -27,9 +27,9 @@ def test_alert_rules_fire_on_their_conditions_only() -> None:
     assert "SUCCESS" in result.stdout
 
 
-def test_alert_rules_cover_the_issue() -> None:
+def test_alert_rules_cover_the_required_alerts() -> None:
     rules = {r["alert"]: r for r in alert_rules()}
-    # stuck job, restart rate, SDC, quarantine, API error rate (issue 7)
+    # stuck job, restart rate, SDC, quarantine, API error rate
     required = {
         "LatticeJobStuck": "lattice_job_step",
         "LatticeJobHighRestartRate": "lattice_job_restarts_total",

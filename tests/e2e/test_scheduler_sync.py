@@ -12,17 +12,13 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import store
-from service.scheduler_sync import (
-    job_transition_path,
-    read_ledger,
-    replan_if_needed,
-    store_controller_event,
-    summarize_result,
-    sync_nodes,
-)
+from service.scheduler.admission import replan_if_needed
+from service.scheduler.cluster import sync_nodes
+from service.scheduler.ingest import job_transition_path, store_controller_event, summarize_result
 from service.settings import Settings
 from service.store.jobs import LEGAL_TRANSITIONS
 from service.store.models import JobState
+from service.store.nodes import read_ledger
 from workers.topology import Topology
 
 

@@ -1,4 +1,4 @@
-"""Issue 6, "killing the service itself": a real `lattice serve` OS process on a SQLite file and the
+"""Killing the service itself: a real `lattice serve` OS process on a SQLite file and the
 session's shared Ray cluster (LATTICE_RAY_ADDRESS) runs a small DP=2 job; the test SIGKILLs that
 process while the job trains (after a checkpoint is stored): no shutdown code runs, the Ray driver
 dies with it. The job's detached controller and its ranks must outlive that driver, and a new

@@ -1,5 +1,5 @@
 """Drive one job with injected faults through a real controller on the shared Ray cluster and
-check the guarantees of issue 6: it succeeds, its weights equal a fault-free run's (allclose after
+check the fault-tolerance guarantees: it succeeds, its weights equal a fault-free run's (allclose after
 a replan), no sample is skipped or repeated, the culprit node is kept out, and the events tell the
 story in order."""
 
@@ -174,7 +174,7 @@ class PlannerReplanner:
     """The service's planner as a workers.policies.Replanner: the planned layout (any TP / PP / DP /
     ZeRO choice) for the most schedulable GPUs left, below the current world size, with the same
     global batch and so the same training mathematics. The cluster is described as the service
-    describes it (service.scheduler_sync.replan_if_needed)."""
+    describes it (service.scheduler.admission.replan_if_needed)."""
 
     model: ModelSpec
     gpu_type: str = "cpu-virtual"

@@ -1,4 +1,4 @@
-"""The seeded fault matrix of issue 6 (`make test-faults`): every fault kind x {early, mid-run,
+"""The seeded fault matrix (`make test-faults`): every fault kind x {early, mid-run,
 during a checkpoint save}, a persistent bit flip with two replicas settled by a spare (same three
 timings), plus the replicas' majority vote (DP 3), a harmful gradient bit flip
 (exponent, > 2^10), a replan when a node's loss leaves too little capacity, and a spent restart

@@ -5,9 +5,9 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 
 from service import metrics
-from service.fault_metrics import observe_fault_events
+from service.scheduler.observer import observe_fault_events
 
-# Shaped like workers.recovery / workers.state_machine emit them (kind + the numbers they carry).
+# Shaped like the controller (workers.controller) emits them (kind + the numbers they carry).
 EVENTS = [
     {"seq": 1, "kind": "failure", "failure": {"kind": "rank_died"}, "time_to_detect_s": 0.8},
     {"seq": 2, "kind": "restore", "step": 10, "steps_lost": 2},

@@ -1,4 +1,4 @@
-"""One case of each fault kind (issue 6), at the workers level: a real controller, real rank
+"""One case of each fault kind, at the workers level: a real controller, real rank
 actors on the shared Ray cluster, real gloo training. Each job must succeed with the fault-free
 run's weights, train on every sample exactly once, keep the culprit out, and log the story in
 order. The full matrix (every kind x early / mid-run / during a checkpoint save) is in

@@ -1,4 +1,4 @@
-"""Pure bookkeeping of issue 6, without Ray: fault specs, the node and checkpoint ledgers, the data
+"""Pure fault-tolerance bookkeeping, without Ray: fault specs, the node and checkpoint ledgers, the data
 ledger, straggler detection, policy decisions and the replanner that keeps the global batch."""
 
 from __future__ import annotations

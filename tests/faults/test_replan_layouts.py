@@ -1,4 +1,4 @@
-"""Issue 6's replan after a node loss, when the new layout differs in more than the DP size: a
+"""The replan after a node loss, when the new layout differs in more than the DP size: a
 TP 2 x DP 2 job loses its node, the capacity left (2 GPUs) cannot hold it, and the service's
 planner (PlannerReplanner) plans TP 1 x DP 2 with ZeRO-1 for the same global batch. The
 controller re-plans, the engine reshards the verified checkpoint (DCP by FQN: TP shards ->

@@ -1,4 +1,4 @@
-"""Issue 6's "kill the service" row of the fault matrix: the real service (Runtime on a SQLite file,
+"""The "kill the service" row of the fault matrix: the real service (Runtime on a SQLite file,
 scheduler and reconciler) runs a small job on the shared Ray cluster, real gloo ranks train it,
 and the test stops the service at an exact point of the job (tests/faults/service_gate.py holds
 every rank there): early (after step 1), mid-run (after step 3) or during a checkpoint save (the

@@ -8,7 +8,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from service.cli_plan import plan_command
+from service.cli.plan import plan_command
 
 app = typer.Typer()
 app.command("plan")(plan_command)

@@ -16,8 +16,8 @@ from service.planner import (
     get_preset,
     plan,
 )
+from service.planner.candidates import INTERLEAVE_DEPTHS
 from service.planner.reference import reference_best
-from service.planner.search import INTERLEAVE_DEPTHS
 from training.config.validate import check_layout_for_model
 
 REAL_GPUS = [name for name in GPU_CATALOG if name != "cpu-virtual"]

@@ -22,14 +22,13 @@ from torch.distributed.tensor import DTensor
 from tests.distributed import run_ranks
 from training.checkpoint.checkpointer import (
     CheckpointCorrupt,
+    Checkpointer,
     CheckpointError,
     corrupt_checkpoint,
     list_checkpoints,
     load_checkpoint,
     load_latest_checkpoint,
-    save_checkpoint,
     verify_checkpoint,
-    wait_pending,
 )
 
 LR = 1e-2
@@ -136,6 +135,7 @@ def _zero1(model: nn.Module, lr: float = LR):
 # two ranks: save in every layout (checking same-layout round trips there), keep references
 # ------------------------------------------------------------------------------------------------
 def _two_rank_saves(rank: int, world: int, root: str) -> None:
+    ckpt = Checkpointer()
     out: dict = {}
 
     # replicated model + AdamW: bit-exact round trip, each rank's own RNG streams restored
@@ -145,7 +145,7 @@ def _two_rank_saves(rank: int, world: int, root: str) -> None:
     torch.manual_seed(100 + rank)
     random.seed(100 + rank)
     np.random.seed(100 + rank)
-    info = save_checkpoint(f"{root}/plain", 2, [model], opt, {"data": {"next_step": 2}})
+    info = ckpt.save(f"{root}/plain", 2, [model], opt, {"data": {"next_step": 2}})
     assert info.committed and info.bytes > 0 and len(info.manifest_digest) == 64
     expected_draws = _draws()
     fresh = _net(1)
@@ -162,7 +162,7 @@ def _two_rank_saves(rank: int, world: int, root: str) -> None:
     model = _fsdp(_net(0), world)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     _train(model, opt, range(2))
-    save_checkpoint(f"{root}/fsdp", 2, [model], opt, {})
+    ckpt.save(f"{root}/fsdp", 2, [model], opt, {})
     out["fsdp"] = (_model_full(model), _optim_full(model, opt))
     fresh = _fsdp(_net(1), world)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
@@ -176,14 +176,14 @@ def _two_rank_saves(rank: int, world: int, root: str) -> None:
     model = _tp(_net(0), world)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     _train(model, opt, range(2))
-    save_checkpoint(f"{root}/tp", 2, [model], opt, {})
+    ckpt.save(f"{root}/tp", 2, [model], opt, {})
     out["tp"] = (_model_full(model), _optim_full(model, opt))
 
     # hand-written ZeRO-1 on 2 ranks: each rank saves the state of the parameters it owns
     model = _net(0)
     opt = _zero1(model)
     _train(model, opt, range(2))
-    save_checkpoint(f"{root}/zero", 2, [model], opt, {})
+    ckpt.save(f"{root}/zero", 2, [model], opt, {})
     out["zero"] = (_model_full(model), _zero1_owned(model, opt))
     fresh = _net(1)
     fresh_opt = _zero1(fresh, lr=0.5)
@@ -193,22 +193,22 @@ def _two_rank_saves(rank: int, world: int, root: str) -> None:
     _train(model, opt, range(2, 3))
     out["zero_next"] = _model_full(model)
 
-    # asynchronous save: staged at the call, committed by wait_pending, deaf to later updates
+    # asynchronous save: staged at the call, committed by ckpt.wait_pending(), deaf to later updates
     model = _net(0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    pending = save_checkpoint(f"{root}/async", 3, [model], opt, {"k": 1}, async_save=True)
+    pending = ckpt.save(f"{root}/async", 3, [model], opt, {"k": 1}, async_save=True)
     assert not pending.committed and list_checkpoints(f"{root}/async") == []
     saved = _model_full(model)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    committed = wait_pending()
+    committed = ckpt.wait_pending()
     assert committed is not None and committed.committed and committed.step == 3
     assert list_checkpoints(f"{root}/async") == [3]
     verify_checkpoint(committed.path)
     load_checkpoint(committed.path, [model], opt)
     _assert_same(_model_full(model), saved)
-    assert wait_pending() is None
+    assert ckpt.wait_pending() is None
     torch.save(out, f"{root}/refs-rank{rank}.pt")  # tensors do not survive the rank's exit via a queue
 
 
@@ -287,11 +287,12 @@ def _four_rank_loads(rank: int, world: int, root: str) -> None:
 
 
 def test_checkpoints_reshard_onto_four_ranks(two_rank, tmp_path):
+    ckpt = Checkpointer()
     root, results = two_rank
     model = _net(0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     _train(model, opt, range(2))
-    save_checkpoint(f"{root}/single", 2, [model], opt, {})
+    ckpt.save(f"{root}/single", 2, [model], opt, {})
     refs = {
         "fsdp": results[0]["fsdp"], "tp": results[0]["tp"],
         "single": (_model_full(model), _optim_full(model, opt)),
@@ -316,6 +317,8 @@ def test_round_trip_is_bit_exact_with_rng_and_data_position(tmp_path):
     from training.config.spec import ModelSpec
     from training.data import make_data_source
 
+    ckpt = Checkpointer()
+
     spec = ModelSpec(layers=1, hidden=8, heads=2, vocab=16, seq_len=6)
     data = make_data_source(DataConfig(seed=3), spec, global_batch=4)
     for step in range(2):
@@ -324,7 +327,7 @@ def test_round_trip_is_bit_exact_with_rng_and_data_position(tmp_path):
     torch.manual_seed(11)
     random.seed(11)
     np.random.seed(11)
-    save_checkpoint(str(tmp_path), 2, [model], opt, {"data": data.state_dict()})
+    ckpt.save(str(tmp_path), 2, [model], opt, {"data": data.state_dict()})
     expected = _draws()
     _train(model, opt, range(2, 3))
     continued = _model_full(model)
@@ -344,6 +347,7 @@ def test_round_trip_is_bit_exact_with_rng_and_data_position(tmp_path):
 
 
 def test_real_transformer_with_tied_embeddings_round_trips(tmp_path):
+    ckpt = Checkpointer()
     from training.config.spec import ModelSpec
     from training.model.transformer import build_model
 
@@ -353,7 +357,7 @@ def test_real_transformer_with_tied_embeddings_round_trips(tmp_path):
     tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
     model(tokens).float().pow(2).mean().backward()
     opt.step()
-    save_checkpoint(str(tmp_path), 1, [model], opt, {})
+    ckpt.save(str(tmp_path), 1, [model], opt, {})
     fresh = build_model(spec, seed=1)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR)
     load_checkpoint(str(tmp_path / "step-1"), [fresh], fresh_opt)
@@ -363,8 +367,9 @@ def test_real_transformer_with_tied_embeddings_round_trips(tmp_path):
 
 
 def test_tmp_dirs_are_ignored_by_list_and_load(tmp_path):
+    ckpt = Checkpointer()
     model, opt = _trained()
-    save_checkpoint(str(tmp_path), 1, [model], opt, {"which": 1})
+    ckpt.save(str(tmp_path), 1, [model], opt, {"which": 1})
     shutil.copytree(tmp_path / "step-1", tmp_path / "step-5.tmp")  # a crashed save, even complete
     (tmp_path / "step-6.tmp").mkdir()
     assert list_checkpoints(str(tmp_path)) == [1]
@@ -384,11 +389,12 @@ def test_tmp_dirs_are_ignored_by_list_and_load(tmp_path):
     ],
 )
 def test_damaged_checkpoint_is_refused_and_the_previous_one_loaded(tmp_path, which, mode, message):
+    ckpt = Checkpointer()
     model, opt = _trained(steps=1)
-    save_checkpoint(str(tmp_path), 1, [model], opt, {"step": 1})
+    ckpt.save(str(tmp_path), 1, [model], opt, {"step": 1})
     at_step_1 = _model_full(model)
     _train(model, opt, range(1, 2))
-    save_checkpoint(str(tmp_path), 2, [model], opt, {"step": 2})
+    ckpt.save(str(tmp_path), 2, [model], opt, {"step": 2})
     corrupt_checkpoint(tmp_path / "step-2", which, mode)
     with pytest.raises(CheckpointCorrupt, match=message):
         verify_checkpoint(tmp_path / "step-2")
@@ -403,30 +409,32 @@ def test_damaged_checkpoint_is_refused_and_the_previous_one_loaded(tmp_path, whi
 
 
 def test_keep_prunes_to_the_newest_k(tmp_path):
+    ckpt = Checkpointer()
     model, opt = _trained(steps=1)
     for step in range(1, 6):
-        info = save_checkpoint(str(tmp_path), step, [model], opt, {}, keep=2)
+        info = ckpt.save(str(tmp_path), step, [model], opt, {}, keep=2)
     assert list_checkpoints(str(tmp_path)) == [4, 5]
     assert sorted(os.listdir(tmp_path)) == ["step-4", "step-5"]  # no .tmp / .trash left behind
     assert info.path == str(tmp_path / "step-5")
-    again = save_checkpoint(str(tmp_path), 5, [model], opt, {"again": True}, keep=2)  # re-save a step
+    again = ckpt.save(str(tmp_path), 5, [model], opt, {"again": True}, keep=2)  # re-save a step
     assert list_checkpoints(str(tmp_path)) == [4, 5] and again.manifest_digest != info.manifest_digest
     assert load_latest_checkpoint(str(tmp_path), [_net(1)], None) == (5, {"again": True})
     with pytest.raises(ValueError, match="checkpoint.keep must be >= 1"):
-        save_checkpoint(str(tmp_path), 6, [model], opt, {}, keep=0)
+        ckpt.save(str(tmp_path), 6, [model], opt, {}, keep=0)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # from DCP's writer thread
 def test_async_save_commits_at_the_next_save_or_wait(tmp_path):
+    ckpt = Checkpointer()
     model, opt = _trained()
-    first = save_checkpoint(str(tmp_path), 1, [model], opt, {}, async_save=True)
+    first = ckpt.save(str(tmp_path), 1, [model], opt, {}, async_save=True)
     assert not first.committed and first.path.endswith("step-1.tmp")
     assert list_checkpoints(str(tmp_path)) == []
     saved = _model_full(model)
     _train(model, opt, range(2, 3))  # training goes on while the write runs
-    save_checkpoint(str(tmp_path), 2, [model], opt, {}, async_save=True)  # commits step 1 first
+    ckpt.save(str(tmp_path), 2, [model], opt, {}, async_save=True)  # commits step 1 first
     assert list_checkpoints(str(tmp_path)) == [1]
-    info = wait_pending()
+    info = ckpt.wait_pending()
     assert info is not None and info.step == 2 and list_checkpoints(str(tmp_path)) == [1, 2]
     fresh = _net(1)
     load_checkpoint(tmp_path / "step-1", [fresh], None)
@@ -434,14 +442,15 @@ def test_async_save_commits_at_the_next_save_or_wait(tmp_path):
 
 
 def test_mismatched_state_and_bad_arguments_are_refused(tmp_path):
+    ckpt = Checkpointer()
     model, opt = _trained()
-    save_checkpoint(str(tmp_path), 1, [model], None, {})  # model only
+    ckpt.save(str(tmp_path), 1, [model], None, {})  # model only
     fresh = _net(1)
     with pytest.raises(CheckpointError, match="does it hold this model and optimizer"):
         load_checkpoint(tmp_path / "step-1", [fresh], torch.optim.AdamW(fresh.parameters(), lr=LR))
     with pytest.raises(ValueError, match="JSON-serialisable"):
-        save_checkpoint(str(tmp_path), 2, [model], opt, {"bad": object()})
+        ckpt.save(str(tmp_path), 2, [model], opt, {"bad": object()})
     with pytest.raises(ValueError, match="one optimizer per model part: got 2 optimizer"):
-        save_checkpoint(str(tmp_path), 2, [model], [opt, opt], {})
+        ckpt.save(str(tmp_path), 2, [model], [opt, opt], {})
     with pytest.raises(ValueError, match=r"model parts share parameter names \['bias', 'weight'\]"):
-        save_checkpoint(str(tmp_path), 2, [model.fc1, model.fc2], None, {})
+        ckpt.save(str(tmp_path), 2, [model.fc1, model.fc2], None, {})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import mmap
 import struct
 from dataclasses import replace
 
@@ -166,7 +165,7 @@ def test_mismatched_resume_is_refused(token_file, tmp_path):
 def test_token_file_windows_are_a_permutation_per_epoch(token_file):
     path, tokens = token_file
     src = _tokens(path, global_batch=5)
-    assert isinstance(src._mmap, mmap.mmap)  # memory-mapped, not read into memory
+    assert src.memory_mapped  # memory-mapped, not read into memory
     assert src.n_windows == 10
     windows_by_epoch = []
     for epoch in range(2):

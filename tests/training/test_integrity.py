@@ -12,20 +12,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distributed import run_ranks
-from training.integrity.fingerprint import (
-    BitFlip,
-    BitFlipInjector,
+from training.integrity.detectors import (
     GradNormSpikeDetector,
     IntegrityError,
     LossSpikeDetector,
     check_finite,
-    find_divergent_replicas,
-    flip_bit,
     grad_norm,
+)
+from training.integrity.fingerprint import (
+    find_divergent_replicas,
     param_fingerprint,
     vote,
     vote_fingerprints,
 )
+from training.integrity.injection import BitFlip, BitFlipInjector, flip_bit
 from training.parallel.ddp import DDP
 
 STEPS = 4

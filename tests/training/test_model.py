@@ -5,19 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from training.config.arithmetic import flops_per_token, param_counts, total_params
 from training.config.layout import Layout, LayoutError
 from training.config.spec import ModelSpec
+from training.config.validate import check_layout_for_model
 from training.integrity.digest import state_digest
 from training.model.transformer import (
     Transformer,
     build_model,
-    count_params,
     cross_entropy_loss,
-    flops_per_token,
     prune_to_stage,
 )
-from training.parallel.parallelize import apply_recompute, check_layout_for_model
 from training.parallel.pipeline import split_layers, stage_ids
+from training.parallel.recompute import apply_recompute
 
 GQA = ModelSpec(layers=3, hidden=32, heads=4, kv_heads=2, vocab=64, seq_len=16)
 TIED_GELU = ModelSpec(layers=2, hidden=32, heads=4, vocab=64, seq_len=16, activation="gelu",
@@ -46,13 +46,13 @@ def test_canonical_names_and_parameter_count() -> None:
     assert names[0] == "tok_embeddings.weight" and names[-2:] == ["norm.weight", "output.weight"]
     assert "layers.2.feed_forward.w3.weight" in names
     assert model.layers["0"].attention.wk.weight.shape == (2 * 8, 32)  # GQA: kv_heads x head_dim
-    assert sum(p.numel() for p in model.parameters()) == count_params(GQA)[0]
+    assert sum(p.numel() for p in model.parameters()) == total_params(GQA)
     tied = build_model(TIED_GELU, seed=0)
     assert tied.output.weight is tied.tok_embeddings.weight
     assert "output.weight" not in dict(tied.named_parameters())
     assert "layers.0.feed_forward.w3.weight" not in dict(tied.named_parameters())
-    assert sum(p.numel() for p in tied.parameters()) == count_params(TIED_GELU)[0]
-    assert flops_per_token(GQA) > 6 * (count_params(GQA)[0] - count_params(GQA)[1])
+    assert sum(p.numel() for p in tied.parameters()) == total_params(TIED_GELU)
+    assert flops_per_token(GQA, GQA.seq_len) > 6 * (total_params(GQA) - param_counts(GQA).embed)
 
 
 def test_attention_is_causal_and_loss_starts_near_log_vocab() -> None:

@@ -20,8 +20,8 @@ from training.model.moe import (
     MoELayer,
     expert_capacity,
     expert_parallel_groups,
-    reduce_expert_grads,
 )
+from training.parallel.expert import reduce_expert_grads
 
 HIDDEN, FFN, EXPERTS = 16, 24, 8
 TOL = 1e-5  # relative to the largest reference entry

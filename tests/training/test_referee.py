@@ -26,7 +26,7 @@ def _cfg(ckpt: str, **layout: Any) -> RunConfig:
 def _train_with_flip(rank: int, world: int, cfg_dict: dict, persistent: bool) -> dict:
     import torch
 
-    from training.integrity.fingerprint import BitFlip, BitFlipInjector
+    from training.integrity.injection import BitFlip, BitFlipInjector
     from training.parallel.dist import DistContext
     from training.train import Action, TrainHooks, train
 

@@ -102,7 +102,7 @@ def _zero_worker(rank: int, world: int, shard_dir: str) -> dict[str, object]:
     out["inner_params"] = sum(len(g["params"]) for g in opt.inner.param_groups)
     out["loads"] = opt.param_counts_per_rank()
     out["group_lrs"] = [g["lr"] for g in opt.param_groups]
-    out["broadcast_chunks"] = sum(len(chunks) for _, chunks in opt._plan())
+    out["broadcast_chunks"] = sum(len(chunks) for _, chunks in opt.broadcast_plan())
     torch.manual_seed(0)
     model2 = make_model()
     model2.load_state_dict(model.state_dict())

@@ -9,6 +9,9 @@ import pytest
 from training.config.layout import Layout
 from training.config.run import CheckpointConfig, RunConfig
 from training.config.spec import ModelSpec
+from workers.controller.machine import ControllerStateMachine
+from workers.controller.options import ControllerOptions
+from workers.controller.state import ControllerState, Transition
 from workers.policies import (
     Failure,
     FailureAction,
@@ -18,7 +21,6 @@ from workers.policies import (
     RestartPolicy,
     ScalingAction,
 )
-from workers.state_machine import ControllerOptions, ControllerState, ControllerStateMachine, Transition
 from workers.topology import Topology
 
 from .dummy import DummyWorkerGroup, FakeClock, finished, running, step_events
@@ -339,7 +341,7 @@ def _persistent_pair(sm, wg, referee_result):
             raise referee_result
         return referee_result
 
-    sm._referee = referee
+    sm.attributor.referee = referee
     request = {"snapshot": "/ckpt/referee/step-3.pt", "step": 3, "dp_group": [0, 2],
                "fingerprints": {"0": "aa", "2": "bb"}}
     err = {"kind": "integrity_error", "error_kind": "divergent_replicas", "step": 3, "ranks": [0, 2],
@@ -360,7 +362,7 @@ def test_a_referee_names_the_replica_it_does_not_reproduce(culprit):
     nodes = {r: wg.reserved.ranks[r].node_name for r in (0, 2)}
     assert calls == [("/ckpt/referee/step-3.pt", sorted(set(nodes.values())))]  # the suspects stay out
     assert kinds(sm).index("referee_started") < kinds(sm).index("referee") < kinds(sm).index("attributed")
-    failure = sm._failure
+    failure = sm.recovery.failure
     assert failure.ranks == (culprit,) and failure.nodes == (nodes[culprit],)
     assert failure.evidence["evidence"]["referee"]["healthy"] == [healthy]
     assert sm.quarantined_nodes == [nodes[culprit]]
@@ -371,7 +373,7 @@ def test_an_inconclusive_referee_leaves_both_replicas_under_suspicion():
         sm, wg, _ = to_running()
         _persistent_pair(sm, wg, answer)
         assert "referee" not in kinds(sm) and "referee_inconclusive" in kinds(sm)
-        assert sm._failure.ranks == (0, 2)
+        assert sm.recovery.failure.ranks == (0, 2)
 
 
 def test_a_long_checkpoint_save_is_not_a_hang():

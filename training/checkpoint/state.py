@@ -35,20 +35,13 @@ from torch.distributed.checkpoint.state_dict import (  # _get_fqns: the canonica
     set_optimizer_state_dict,
 )
 
+from training.parallel.wrapping import unwrap
+
 log = logging.getLogger(__name__)
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 OptimizerArg = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
-
-
-def unwrap(part: nn.Module) -> nn.Module:
-    """training.parallel.ddp.DDP-style wrappers: checkpoint the wrapped module so FQNs stay canonical.
-    (torch DDP and FSDP2 are handled by torch's state-dict API itself.)"""
-    inner = getattr(part, "module", None)
-    if isinstance(inner, nn.Module) and hasattr(part, "finish_gradient_synchronization"):
-        return inner
-    return part
 
 
 def model_state(parts: Sequence[nn.Module]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Who corrupted the step: per-rank checks before the DP reduction, pre-step snapshots and the
-re-run that attributes a replica mismatch (issue 6), on top of `training.integrity.fingerprint`.
+re-run that attributes a replica mismatch, on top of `training.integrity.fingerprint` (the loop's
+side of the re-run is training.integrity.rerun).
 
 Three sources of evidence, cheapest first:
 
@@ -30,8 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.integrity.fingerprint import FingerprintVote, GradNormSpikeDetector, IntegrityError
-from training.parallel.ddp import local_tensor
+from training.integrity.detectors import GradNormSpikeDetector, IntegrityError
+from training.integrity.fingerprint import FingerprintVote
+from training.parallel.wrapping import local_tensor
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,8 @@ def local_grad_norm(params: Sequence[nn.Parameter]) -> float:
     grads = [local_tensor(p.grad).detach() for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    norms = torch._foreach_norm(grads)  # one fused pass; an exponent flip gives a huge or inf norm
+    # One fused pass (torch has no public per-tensor fused norm); an exponent flip gives a huge or inf norm.
+    norms = torch._foreach_norm(grads)  # noqa: SLF001
     return float(torch.linalg.vector_norm(torch.stack(norms).double()).item())
 
 

@@ -20,14 +20,11 @@ from torch.distributed.tensor import DTensor
 
 from training.config.layout import Layout
 from training.model.transformer import canonical_name
+from training.parallel.wrapping import unwrap
 
 
 def _natural_key(name: str) -> list[tuple[int, int | str]]:
     return [(0, int(tok)) if tok.isdigit() else (1, tok) for tok in re.split(r"(\d+)", name) if tok]
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    return getattr(module, "module", module)
 
 
 @torch.no_grad()
@@ -36,7 +33,7 @@ def full_state(model_parts: list[nn.Module], layout: Layout,
     """Every parameter of the whole model as a float32 CPU tensor, on every rank (collective)."""
     local: dict[str, torch.Tensor] = {}
     for part in model_parts:
-        for name, p in _unwrap(part).named_parameters():
+        for name, p in unwrap(part).named_parameters():
             t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
             local[canonical_name(name)] = t.float().cpu().clone()
     if mesh is not None and layout.pp > 1:

@@ -1,55 +1,33 @@
-"""Primitives against silent data corruption (SDC): fingerprints, replica votes, finiteness and
-spike checks, and a bit-flip injector for tests.
+"""Replica fingerprints against silent data corruption (SDC): an exact 128-bit fingerprint of a rank's
+parameters, and the vote over the data-parallel replicas' fingerprints.
 
 Data-parallel replicas must hold bitwise-identical parameters after every step (they apply the
 same averaged gradient to the same weights), so a per-step fingerprint of each replica's local
 parameters, all-gathered over the DP group, names a replica whose memory or arithmetic went
 wrong. What the fingerprint cannot see: a corrupted *local gradient* before the all-reduce is
 averaged into every replica alike; an exponent flip there shows up in the global gradient norm
-(`GradNormSpikeDetector`) or as a non-finite loss (`check_finite`).
+or as a non-finite loss (training.integrity.detectors).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import struct
-from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from training.parallel.ddp import local_tensor
-
-log = logging.getLogger(__name__)
+from training.parallel.wrapping import local_tensor
 
 _MASK64 = (1 << 64) - 1
 _ROW = 1024  # words per row of the position-weighted sum
 _COL_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd 64-bit constant (golden ratio), as signed int64
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-class IntegrityError(RuntimeError):
-    """A failed integrity check. kind: nonfinite | loss_spike | grad_norm_spike | divergent_replicas."""
-
-    def __init__(
-        self,
-        kind: str,
-        step: int,
-        ranks: Sequence[int] = (),
-        evidence: dict[str, Any] | None = None,
-        message: str | None = None,
-    ) -> None:
-        self.kind = kind
-        self.step = step
-        self.ranks = list(ranks)
-        self.evidence = dict(evidence or {})
-        super().__init__(message or f"{kind} at step {step} on ranks {self.ranks}: {self.evidence}")
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integer dtypes
 
 
 def _words(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +40,7 @@ def _words(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t = local_tensor(t.detach())
     if not t.is_contiguous():
         t = t.contiguous()
-    w = t.view(_INT_OF_SIZE[t.element_size()]).reshape(-1)
+    w = t.view(INT_OF_SIZE[t.element_size()]).reshape(-1)
     per_word = 8 // t.element_size()
     n_main = w.numel() // per_word * per_word
     try:
@@ -229,216 +207,3 @@ def find_divergent_replicas(fingerprint: int, dp_group: dist.ProcessGroup | None
     Two replicas that disagree both come back; use `vote_fingerprints(...).ambiguous` to tell.
     """
     return vote_fingerprints(fingerprint, dp_group).divergent
-
-
-def _this_rank() -> list[int]:
-    return [dist.get_rank()] if dist.is_available() and dist.is_initialized() else []
-
-
-def _as_float(value: torch.Tensor | float) -> float:
-    return float(value.detach().float().item()) if isinstance(value, torch.Tensor) else float(value)
-
-
-def check_finite(loss: torch.Tensor | float, step: int) -> None:
-    """Raise IntegrityError("nonfinite") when the loss is NaN or +-Inf."""
-    value = _as_float(loss)
-    if not math.isfinite(value):
-        raise IntegrityError("nonfinite", step, _this_rank(), {"loss": value})
-
-
-class _SpikeDetector:
-    """A value above `factor` x the mean of the last `window` accepted values is a spike.
-
-    The first `warmup` values only fill the window. Spikes are not added to the window, so one bad
-    step does not raise the bar for the next. Non-finite values raise kind "nonfinite".
-    """
-
-    kind = "spike"
-    what = "value"
-
-    def __init__(self, factor: float = 10.0, warmup: int = 3, window: int = 20) -> None:
-        if not factor > 1.0:
-            raise ValueError(f"factor must be > 1, got {factor}")
-        if warmup < 1 or window < warmup:
-            raise ValueError(f"need 1 <= warmup <= window, got warmup={warmup} window={window}")
-        self.factor = factor
-        self.warmup = warmup
-        self.history: deque[float] = deque(maxlen=window)
-
-    @property
-    def reference(self) -> float | None:
-        return sum(self.history) / len(self.history) if len(self.history) >= self.warmup else None
-
-    def check(self, value: torch.Tensor | float, step: int) -> None:
-        v = _as_float(value)
-        if not math.isfinite(v):
-            raise IntegrityError("nonfinite", step, _this_rank(), {self.what: v})
-        ref = self.reference
-        if ref is not None and v > self.factor * abs(ref):
-            raise IntegrityError(
-                self.kind, step, _this_rank(), {self.what: v, "reference": ref, "factor": self.factor}
-            )
-        self.history.append(v)
-
-
-class LossSpikeDetector(_SpikeDetector):
-    kind = "loss_spike"
-    what = "loss"
-
-
-class GradNormSpikeDetector(_SpikeDetector):
-    """On the global gradient norm: catches an exponent flip in a local gradient before the all-reduce,
-    which every replica then applies alike (so the fingerprints still agree)."""
-
-    kind = "grad_norm_spike"
-    what = "grad_norm"
-
-
-def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of the local gradients (after DDP's all-reduce this is the global norm on every replica).
-
-    In float64, so that an exponent flip (~1e38 in float32) gives a huge finite norm, not inf.
-    """
-    norms = [local_tensor(p.grad).detach().double().norm() for p in params if p.grad is not None]
-    if not norms:
-        return torch.zeros((), dtype=torch.float64)
-    return torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms]))
-
-
-def flip_bit(tensor: torch.Tensor, flat_index: int, bit: int) -> None:
-    """Flip bit `bit` (0 = least significant) of element `flat_index` of `tensor`, in place.
-
-    Works for any floating (or integer) dtype by reading the element's bits as a same-width integer;
-    for float32 bits 23..30 are the exponent, 31 the sign.
-    """
-    words = _words_inplace(tensor)
-    nbits = words.element_size() * 8
-    if not 0 <= bit < nbits:
-        raise ValueError(f"bit must be in [0, {nbits}) for {tensor.dtype}, got {bit}")
-    if not 0 <= flat_index < words.numel():
-        raise ValueError(f"index must be in [0, {words.numel()}), got {flat_index}")
-    mask = (1 << bit) if bit < nbits - 1 or words.dtype == torch.uint8 else -(1 << bit)
-    with torch.no_grad():
-        words[flat_index] = words[flat_index] ^ mask
-
-
-def _words_inplace(tensor: torch.Tensor) -> torch.Tensor:
-    t = local_tensor(tensor.detach())
-    if not t.is_contiguous():
-        raise ValueError("flip_bit needs a contiguous tensor")
-    return t.view(_INT_OF_SIZE[t.element_size()]).view(-1)
-
-
-@dataclass(frozen=True)
-class BitFlip:
-    """Flip bit `bit` of element `index` of the parameter (or its gradient) `name` on `rank` at `step`
-    (`persistent`: every time the step runs on this rank, re-runs included)."""
-
-    step: int
-    rank: int
-    target: Literal["param", "grad"]
-    name: str
-    index: int
-    bit: int
-    # A faulty device rather than a one-off upset: the flip happens again each time this process
-    # runs the step (a re-run from the pre-step snapshot reproduces it).
-    persistent: bool = False
-
-    def __post_init__(self) -> None:
-        if self.target not in ("param", "grad"):
-            raise ValueError(f"BitFlip.target must be 'param' or 'grad', got {self.target!r}")
-
-
-def _strip_wrappers(name: str) -> str:
-    for prefix in ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
-        name = name.replace(prefix, "")
-    return name
-
-
-class BitFlipInjector:
-    """Applies the `BitFlip`s meant for this rank. Names match exactly or after dropping wrapper
-    prefixes (`module.` of DDP, `_orig_mod.` of torch.compile, ...). Each flip is applied at most once,
-    so the methods may be called once per model part.
-
-    A persistent flip applies at every call for its step (call each method once per execution of
-    the step then, with every part's parameters).
-
-    Gradient flips, two ways:
-    - `maybe_flip_grads` flips `.grad` in place: call it after backward, before the gradients are
-      reduced (NaiveDDP/FlatDDP reduce in `finish_gradient_synchronization`; one rank; pipelines).
-    - `arm_grad_flips` (call before backward) flips the gradient as autograd produces it, before
-      any accumulate-grad hook sees it: needed with the overlapped `DDP` (and torch DDP), which
-      reduce gradients during backward, so a flip after backward would be overwritten.
-    """
-
-    def __init__(self, flips: Iterable[BitFlip], rank: int) -> None:
-        self.rank = rank
-        self.flips = [f for f in flips if f.rank == rank]
-        self.applied: list[BitFlip] = []
-        self._armed: list[tuple[BitFlip, Any]] = []
-
-    def _due(self, step: int, target: str) -> list[BitFlip]:
-        armed = {f for f, _ in self._armed}
-        return [f for f in self.flips if f.step == step and f.target == target
-                and (f.persistent or f not in self.applied) and f not in armed]
-
-    @staticmethod
-    def _lookup(name: str, named_params: dict[str, nn.Parameter]) -> nn.Parameter | None:
-        if name in named_params:
-            return named_params[name]
-        clean = _strip_wrappers(name)
-        return next((p for n, p in named_params.items() if _strip_wrappers(n) == clean), None)
-
-    def _apply(
-        self, step: int, target: str, named_params: Iterable[tuple[str, nn.Parameter]]
-    ) -> list[BitFlip]:
-        due = self._due(step, target)
-        if not due:
-            return []
-        params = dict(named_params)
-        done = []
-        for f in due:
-            p = self._lookup(f.name, params)
-            if p is None:
-                continue
-            t = p if target == "param" else p.grad
-            if t is None:
-                log.warning("bit flip %s: parameter %s has no gradient at step %d", f, f.name, step)
-                continue
-            flip_bit(t, f.index, f.bit)
-            log.info("injected %s", f)
-            self.applied.append(f)
-            done.append(f)
-        return done
-
-    def maybe_flip_params(self, step: int, named_params: Iterable[tuple[str, nn.Parameter]]) -> list[BitFlip]:
-        return self._apply(step, "param", named_params)
-
-    def maybe_flip_grads(self, step: int, named_params: Iterable[tuple[str, nn.Parameter]]) -> list[BitFlip]:
-        return self._apply(step, "grad", named_params)
-
-    def arm_grad_flips(self, step: int, named_params: Iterable[tuple[str, nn.Parameter]]) -> list[BitFlip]:
-        """Register one-shot gradient hooks for this step's grad flips (see the class docstring)."""
-        for _, handle in self._armed:  # hooks from earlier steps have fired (or are stale): drop them
-            handle.remove()
-        self._armed = []
-        due = self._due(step, "grad")
-        params = dict(named_params)
-        armed = []
-        for f in due:
-            p = self._lookup(f.name, params)
-            if p is None:
-                continue
-
-            def hook(grad: torch.Tensor, f: BitFlip = f) -> torch.Tensor | None:
-                if f in self.applied and not f.persistent:
-                    return None
-                corrupted = grad.clone()
-                flip_bit(corrupted, f.index, f.bit)
-                log.info("injected %s", f)
-                self.applied.append(f)
-                return corrupted
-
-            self._armed.append((f, p.register_hook(hook)))
-            armed.append(f)
-        return armed

@@ -1,4 +1,4 @@
-"""A referee for two data-parallel replicas that disagree persistently (issue 6).
+"""A referee for two data-parallel replicas that disagree persistently (a 1-1 vote that the re-run repeats).
 
 With DP = 2, a fingerprint mismatch has no majority, and re-running the step from the pre-step
 snapshot tells a transient fault (the re-run agrees) from a persistent one (it disagrees again),
@@ -31,7 +31,7 @@ from training.data import make_data_source
 from training.integrity.attribution import load_optimizer_state
 from training.integrity.fingerprint import param_fingerprint
 from training.model.transformer import Transformer
-from training.parallel.parallelize import build_optimizer, clip_grad_norm
+from training.parallel.optim import build_optimizer, clip_grad_norm
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ Gradients with EP x DP (see docs/context_parallel.md, "MoE"): the router (dense)
 every rank: average its gradient over the whole data-parallel world (dp x cp) as usual. Each expert
 shard lives on one rank per EP group and already receives the gradient of every token its group
 sent it; sum it over the expert-data-parallel group (ranks with the same EP index) and divide by
-the dp x cp world size: `reduce_expert_grads(moe, edp_group, dp_world)`.
+the dp x cp world size: `reduce_expert_grads(moe, edp_group, dp_world)` (training.parallel.expert).
 """
 
 from __future__ import annotations
@@ -339,19 +339,6 @@ class MoELayer(nn.Module):
         return y.view(shape), aux  # aux stays fp32
 
 
-def reduce_expert_grads(layer: MoELayer, edp_group: ProcessGroup | None, dp_world: int) -> None:
-    """Expert gradient for a loss averaged over dp_world (= dp x cp) ranks: sum over the expert-DP
-    group (ranks with the same EP index), divide by dp_world. The router is not touched (it is a
-    dense parameter: average it over the whole DP world with the rest of the model)."""
-    for p in layer.expert_parameters():
-        if p.grad is None:
-            continue
-        grad = _local_grad(p.grad)
-        if edp_group is not None and dist.get_world_size(edp_group) > 1:
-            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=edp_group)
-        grad.div_(dp_world)
-
-
 # ---- DTensor helpers ---------------------------------------------------------------------------------
 
 
@@ -360,13 +347,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _local_grad(g: torch.Tensor) -> torch.Tensor:
-    """The storage of a gradient to reduce in place (a DTensor's local tensor)."""
-    from torch.distributed.tensor import DTensor
-
-    return g._local_tensor if isinstance(g, DTensor) else g
 
 
 def _dim0_slice(p: torch.Tensor) -> tuple[int, int]:

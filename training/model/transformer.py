@@ -360,30 +360,3 @@ def prune_to_stage(model: Transformer, layer_ids: list[int], first: bool, last: 
         model.norm = None
         model.output = None
     return model
-
-
-def _layer_params(spec: ModelSpec, active: bool) -> int:
-    """Parameters of all blocks; with `active`, only the top_k experts a token passes through."""
-    h, f, kv = spec.hidden, spec.ffn_dim, spec.n_kv_heads * spec.head_dim
-    mats = 3 if spec.activation == "swiglu" else 2
-    attn = 2 * h * h + 2 * h * kv
-    dense_mlp = mats * h * f
-    experts = (spec.top_k if active else spec.num_experts) * mats * h * spec.expert_ffn_dim
-    moe_mlp = experts + h * spec.num_experts  # experts + router
-    n_moe = spec.num_moe_layers
-    return spec.layers * (attn + 2 * h) + (spec.layers - n_moe) * dense_mlp + n_moe * moe_mlp
-
-
-def count_params(spec: ModelSpec) -> tuple[int, int]:
-    """(total, embedding) parameter counts of the full model (every expert counted)."""
-    embed = spec.vocab * spec.hidden
-    head = 0 if spec.tied_embeddings else spec.vocab * spec.hidden
-    return _layer_params(spec, active=False) + embed + head + spec.hidden, embed
-
-
-def flops_per_token(spec: ModelSpec) -> float:
-    """Training FLOPs per token: 6N (non-embedding, MoE: active experts only) + 12 L h s
-    (PaLM, Chowdhery et al. 2022, App. B; active parameters: Fedus et al. 2022, Switch, sec. 2)."""
-    total, embed = count_params(spec)
-    active = total - _layer_params(spec, active=False) + _layer_params(spec, active=True)
-    return 6.0 * (active - embed) + 12.0 * spec.layers * spec.hidden * spec.seq_len

@@ -1,1 +1,2 @@
-"""Data-parallel strategies written here (DDP, ZeRO-1) beside the library ones."""
+"""Parallelism by technique (tensor, context, expert, fsdp, ddp, zero, recompute, pipeline), the mesh,
+and `parallelize`, which applies them in a fixed order."""

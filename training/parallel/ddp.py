@@ -25,6 +25,8 @@ Assumption shared with torch DDP: all ranks of the group run the same graph, so 
 launches the same collectives in the same order (buckets are launched strictly in bucket order to
 keep that true even when gradients become ready in a different order on different ranks).
 Nothing here assumes a device: gloo tensors on CPU, NCCL tensors on GPU.
+
+`apply_data_parallel` picks the wrapper a layout runs with (ZeRO-0/1): `DDP`, or torch DDP.
 """
 
 from __future__ import annotations
@@ -41,14 +43,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from training.config.layout import Layout, LayoutError
+from training.parallel.wrapping import local_tensor
+
 log = logging.getLogger(__name__)
 
 _MB = 1024 * 1024
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The storage this rank owns: the local shard of a DTensor (tensor parallel), else `t` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def unique_params(module: nn.Module, requires_grad: bool | None = None) -> list[nn.Parameter]:
@@ -307,3 +307,16 @@ class DDP(_DataParallel):
                         p.grad = view / self.world_size
                 bucket.reset()
         self._next_to_launch = 0
+
+
+def apply_data_parallel(model: nn.Module, layout: Layout, dp_group: dist.ProcessGroup,
+                        dp_impl: str) -> nn.Module:
+    """The data-parallel wrapper for ZeRO-0/1: ours (`DDP`, dp_impl "lattice") or torch DDP."""
+    if dp_impl == "torch":
+        if layout.tp > 1 or layout.pp > 1 or layout.ep > 1:
+            raise LayoutError(
+                "train.dp_impl 'torch' (torch DDP) needs tp = 1, pp = 1 and ep = 1; "
+                "use dp_impl 'lattice' or zero_stage 2/3"
+            )
+        return torch.nn.parallel.DistributedDataParallel(model, process_group=dp_group)
+    return DDP(model, process_group=dp_group)

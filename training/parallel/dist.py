@@ -24,6 +24,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of a CUDA device (training.config.hardware); None on CPU or when unknown."""
+    if device.type != "cuda":
+        return None
+    from training.config.hardware import peak_flops_of_device
+
+    return peak_flops_of_device(torch.cuda.get_device_name(device))
+
+
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 

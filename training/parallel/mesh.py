@@ -26,10 +26,6 @@ from training.config.layout import MESH_DIMS, Layout, LayoutError, RankCoord
 
 DERIVED_DIMS: tuple[str, ...] = ("dp_cp", "ep", "edp")
 
-# ParallelDims already built for a mesh (by id), so `parallelize` called with a bare mesh (once
-# per pipeline stage) reuses the derived meshes instead of creating new process groups.
-_BY_MESH: dict[int, ParallelDims] = {}
-
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     """The 4-D mesh ("pp", "dp", "cp", "tp") over the whole default process group."""
@@ -46,7 +42,10 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
 
 @dataclass
 class ParallelDims:
-    """A Layout bound to a built mesh: named sub-meshes, groups and this rank's coordinates."""
+    """A Layout bound to a built mesh: named sub-meshes, groups and this rank's coordinates.
+
+    The trainer builds one and passes it down (to `parallelize` once per pipeline stage, to the
+    optimizer, the checks), so the derived meshes and their process groups are created once."""
 
     layout: Layout
     mesh: DeviceMesh
@@ -58,24 +57,22 @@ class ParallelDims:
 
     @classmethod
     def from_mesh(cls, layout: Layout, mesh: DeviceMesh) -> ParallelDims:
-        """The dims of an existing 4-D mesh (collective the first time: it may create the groups
-        of the derived dimensions; every rank must call it)."""
-        known = _BY_MESH.get(id(mesh))
-        if known is not None and known.mesh is mesh and known.layout == layout:
-            return known
+        """The dims of an existing 4-D mesh (collective: it may create the groups of the derived
+        dimensions; every rank must call it)."""
         if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS or tuple(mesh.shape) != layout.mesh_shape():
             raise LayoutError(
                 f"mesh {mesh} does not match the layout's (pp, dp, cp, tp) = {layout.mesh_shape()}"
             )
         dims = cls(layout=layout, mesh=mesh)
         if layout.cp > 1 or layout.ep > 1:
-            dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
+            # DeviceMesh has no public flatten / unflatten yet (torchtitan uses the same calls).
+            dp_cp = mesh["dp", "cp"]._flatten("dp_cp")  # noqa: SLF001
             dims.derived["dp_cp"] = dp_cp
             if layout.ep > 1:
                 # Runs of ep consecutive dp_cp ranks (training.model.moe.expert_parallel_groups).
-                split = dp_cp._unflatten(0, (layout.dp * layout.cp // layout.ep, layout.ep), ("edp", "ep"))
+                shape = (layout.dp * layout.cp // layout.ep, layout.ep)
+                split = dp_cp._unflatten(0, shape, ("edp", "ep"))  # noqa: SLF001
                 dims.derived["ep"], dims.derived["edp"] = split["ep"], split["edp"]
-        _BY_MESH[id(mesh)] = dims
         return dims
 
     def submesh(self, name: str) -> DeviceMesh:

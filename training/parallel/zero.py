@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from training.parallel.ddp import local_tensor
+from training.parallel.wrapping import local_tensor
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class ShardedOptimizer(Optimizer):
         self.broadcast_parameters()
         return loss
 
-    def _plan(self) -> list[tuple[int, list[list[torch.Tensor]]]]:
+    def broadcast_plan(self) -> list[tuple[int, list[list[torch.Tensor]]]]:
         """For each owner rank, its parameters' local tensors in chunks of one (dtype, device) and at
         most `broadcast_bucket_mb` (a lone larger tensor is its own chunk)."""
         if self._broadcast_plan is None:
@@ -181,7 +181,7 @@ class ShardedOptimizer(Optimizer):
         at most `broadcast_bucket_mb`, or one tensor if larger, instead of one call per parameter)."""
         if self.world_size == 1:
             return
-        for owner, groups in self._plan():
+        for owner, groups in self.broadcast_plan():
             for tensors in groups:
                 if owner == self.rank:
                     flat = torch.cat([t.reshape(-1) for t in tensors])

@@ -17,8 +17,8 @@ from service import store
 from service.api.deps import AdminPrincipal, CurrentPrincipal, ReadSessionDep, SessionDep, SettingsDep
 from service.api.problems import problem_responses
 from service.errors import Conflict, NotFound
-from service.scheduler_sync import ClusterLedger, uncordoned_health
 from service.store.models import Node, NodeHealth
+from service.store.nodes import ClusterLedger, uncordoned_health
 from workers.topology import NodeInfo, Topology
 
 router = APIRouter(prefix="/v1/cluster", tags=["cluster"])

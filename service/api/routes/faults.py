@@ -1,9 +1,9 @@
-"""POST /v1/jobs/{id}/faults: inject a fault into a running job (issue 6; testing and demos only).
+"""POST /v1/jobs/{id}/faults: inject a fault into a running job (fault-tolerance testing and demos only).
 
 Admin only, and only when the service runs with `LATTICE_FAULT_INJECTION=true`. The fault goes to
-the job's controller (workers.controller.JobController.inject_fault), which arms it on the target
-rank; its `fault_injected` event, then the detection, attribution, quarantine, restore and resume
-events, appear in the job's event log as they happen.
+the job's controller (through workers.client), which arms it on the target rank; its
+`fault_injected` event, then the detection, attribution, quarantine, restore and resume events,
+appear in the job's event log as they happen.
 """
 
 from __future__ import annotations
@@ -88,20 +88,14 @@ def send_fault(job_id: str, fault: dict[str, Any], timeout_s: float = 10.0) -> d
         normalized = normalize_fault(fault)
     except FaultError as e:
         raise Conflict(str(e)) from e
+    from workers.client import ControllerError, find_controller, is_connected
+
+    controller = find_controller(job_id) if is_connected() else None
+    if controller is None:
+        raise ControllerUnavailable(f"job {job_id} has no live controller (it may be between attempts)")
     try:
-        import ray
-
-        from workers.controller import get_controller
-
-        handle = get_controller(job_id) if ray.is_initialized() else None
-        if handle is None:
-            raise ControllerUnavailable(f"job {job_id} has no live controller (it may be between attempts)")
-        params = {k: v for k, v in normalized.items() if k not in ("kind", "rank", "at_step")}
-        ray.get(handle.inject_fault.remote(normalized["kind"], normalized.get("rank"), normalized["at_step"],
-                                           **params), timeout=timeout_s)
-    except LatticeError:
-        raise
-    except Exception as e:  # noqa: BLE001 - Ray errors become a 503 with the reason
+        controller.inject_fault(normalized, timeout_s=timeout_s)
+    except ControllerError as e:
         raise ControllerUnavailable(f"could not reach the controller of job {job_id}: {e}") from e
     log.warning("fault injected into job %s: %s", job_id, normalized)
     return normalized

@@ -2,15 +2,14 @@
 
 `start_controller(job_id, run_cfg, ...)` creates `lattice-job-<id>` in namespace "lattice"
 (lifetime detached, so it outlives the service process). Its loop thread steps the
-`ControllerStateMachine` (workers.state_machine); `poll`, `cancel`, `update_nodes` and
-`inject_fault` are served concurrently (max_concurrency). After a service restart the service
-finds it again with `get_controller(job_id)`. Rank actors and the placement group are owned by
-the controller, so they end with it.
+`ControllerStateMachine` (workers.controller.machine); `poll`, `cancel`, `update_nodes`,
+`inject_fault`, `report` and `trigger` are served concurrently (max_concurrency). After a service
+restart the service finds it again with `get_controller(job_id)`. Rank actors and the placement
+group are owned by the controller, so they end with it.
 
-Issue 6 seams: `report` receives events a rank sends just before it dies (kill_rank), a
-kill_node fault goes to the cluster owner through workers.node_killer (without one, the
-controller kills the job's ranks on that node and marks it dead), and committed checkpoints are
-checked against their manifests (`LocalCheckpointOps`, on a filesystem the controller sees).
+The actor wires the state machine to the real world: a `RayWorkerGroup`, the cluster owner's node
+killer (workers.node_killer), checkpoint verification on a filesystem the controller sees
+(`LocalCheckpointOps`) and a referee on a spare GPU (`RayReferee`).
 """
 
 from __future__ import annotations
@@ -22,33 +21,20 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from training.config.run import RunConfig
+from workers.controller.injection import kill_node
+from workers.controller.machine import ControllerStateMachine
+from workers.controller.options import ControllerOptions
+from workers.controller.scrub import LocalCheckpointOps
+from workers.engine_imports import warm_imports
+from workers.names import NAMESPACE, controller_name, head_node_id
 from workers.policies import FailurePolicy, ScalingPolicy
-from workers.rank import warm_imports
 from workers.referee import RayReferee
-from workers.state_machine import (
-    JOB_STATE,
-    ControllerOptions,
-    ControllerState,
-    ControllerStateMachine,
-    Transition,
-)
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "lattice"
 
-__all__ = [
-    "JOB_STATE", "NAMESPACE", "ControllerExists", "ControllerOptions", "ControllerState",
-    "ControllerStateMachine", "JobController", "Transition", "controller_name", "get_controller",
-    "kill_controller", "start_controller",
-]
-
-
-# ---- the detached Ray actor ------------------------------------------------------------------------
-
-
-def controller_name(job_id: str) -> str:
-    return f"lattice-job-{job_id}"
+class ControllerExists(RuntimeError):
+    """A controller is already registered under the job's name."""
 
 
 class JobController:
@@ -64,7 +50,7 @@ class JobController:
         health: Mapping[str, str] | None = None,
         cordoned: Collection[str] = (),
     ) -> None:
-        from workers.worker_group import RayWorkerGroup
+        from workers.worker_group import RayWorkerGroup  # imports Ray
 
         opts = options or ControllerOptions()
         warm_imports(("training.checkpoint.checkpointer",))  # first scrub: no `import torch` stall
@@ -96,7 +82,7 @@ class JobController:
         while not sm.state.terminal:
             try:
                 transition = sm.step()
-            except Exception as e:  # noqa: BLE001 - never leave a job without a live loop
+            except Exception as e:  # never leave a job without a live loop
                 log.exception("job %s: controller loop error", sm.job_id)
                 transition = sm.fail(f"controller loop error: {type(e).__name__}: {e}")
             if transition is None and not sm.state.terminal:
@@ -147,44 +133,6 @@ class JobController:
         self._closed.set()
 
 
-class LocalCheckpointOps:
-    """Verify / damage checkpoints on a filesystem this process sees (issue 6)."""
-
-    def verify(self, path: str) -> None:
-        from training.checkpoint.checkpointer import verify_checkpoint
-
-        verify_checkpoint(path)
-
-    def corrupt(self, path: str, which: str = "any", mode: str = "flip") -> str:
-        from training.checkpoint.checkpointer import corrupt_checkpoint
-
-        return corrupt_checkpoint(path, which, mode)
-
-    def list(self, root: str) -> list[int]:
-        from training.checkpoint.checkpointer import list_checkpoints
-
-        return list_checkpoints(root)
-
-
-def kill_node(name: str) -> None:
-    """Remove a node through the cluster owner's mailbox (workers.node_killer)."""
-    from workers.node_killer import request_node_kill
-
-    if not request_node_kill(name):
-        raise RuntimeError("no cluster owner serves node kills")
-
-
-def _head_node_id() -> str | None:
-    import ray
-
-    from workers.topology import HEAD_RESOURCE
-
-    for n in ray.nodes():
-        if n.get("Alive") and HEAD_RESOURCE in (n.get("Resources") or {}):
-            return str(n["NodeID"])
-    return None
-
-
 def start_controller(
     job_id: str,
     run_cfg: RunConfig,
@@ -203,7 +151,7 @@ def start_controller(
     name = controller_name(job_id)
     if get_controller(job_id) is not None:
         raise ControllerExists(f"a controller named {name!r} already exists; attach with get_controller()")
-    head = _head_node_id()
+    head = head_node_id()
     # On the head when there is one (never on a GPU node that a fault may take down).
     strategy = NodeAffinitySchedulingStrategy(head, soft=False) if head else "DEFAULT"
     return (
@@ -214,10 +162,6 @@ def start_controller(
         )
         .remote(job_id, run_cfg, options, failure_policy, scaling_policy, health, cordoned)
     )
-
-
-class ControllerExists(RuntimeError):
-    pass
 
 
 def get_controller(job_id: str) -> Any | None:

@@ -1,6 +1,6 @@
 """`lattice plan`: choose (or evaluate) a parallel layout and print the evidence.
 
-`plan_command` is a typer command function; the CLI module registers it (`app.command("plan")(plan_command)`).
+`plan_command` is a typer command function; service.cli registers it as `lattice plan`.
 Bad input prints one line to stderr and exits with code 2.
 """
 

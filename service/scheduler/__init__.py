@@ -1,0 +1,23 @@
+"""The scheduler and reconciler: the service's one writer of job progress and cluster state.
+
+`loop.Scheduler` runs `tick()` in one thread every `settings.scheduler_interval_s` (sooner when the
+API calls `wake()`). A tick:
+
+1. polls every attached job controller (through `workers.client`) and writes what it reports into
+   the store in one short transaction per job (`ingest`): the controller's events (append-only, in
+   order, each once: the job row keeps the last controller seq stored), progress, the placement
+   read back from the rank actors, checkpoint rows, node faults, and the job's state, moved only
+   along legal edges; a terminal controller is collected and ended;
+2. syncs the nodes table with the live cluster and reads the health ledger back (`cluster`);
+3. admits pending jobs, re-planning those planned for another GPU type (`admission`);
+4. starts queued jobs in priority order, then age, when their layout fits the free capacity; a job
+   that does not fit stays queued with the reason as an event (once per distinct reason);
+5. updates the Prometheus metrics (`observer`).
+
+Cancel is the API's `transition(... cancelled)` followed by `cancel(job_id)`: the next tick asks
+the controller to tear down its ranks and placement group. `start()` reconciles first
+(`reconcile`): an active job whose detached controller is alive is re-attached; one whose
+controller is gone is recovered by a new controller that resumes from its last checkpoint.
+
+The package's modules import no Ray: the loop talks to controllers through `workers.client`.
+"""

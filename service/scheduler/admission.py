@@ -1,0 +1,136 @@
+"""Admission: pending jobs enter the queue (re-planned for the live cluster's GPU type when their
+plan was made for another), and what a queued job's controller is started with."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from service import store
+from service.errors import ConcurrentUpdate, IllegalTransition, JobNotFound
+from service.planner import ClusterSpec, PlannerError, TrainSpec, evaluate, flops_per_token, get_gpu, plan
+from service.schemas import JobSpec
+from service.settings import Settings
+from service.store.models import Job, JobState
+from workers.client import ControllerOptions
+from workers.topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+def admit_pending(sf: sessionmaker[Session], rsf: sessionmaker[Session], settings: Settings,
+                  topology: Topology) -> None:
+    """Move every pending job to the queue, or fail it when no plan fits the live cluster."""
+    with rsf() as s:
+        pending = [j.id for j in store.list_jobs(s, states=[JobState.PENDING], limit=None, order="queue")]
+    for job_id in pending:
+        try:
+            with store.session_scope(sf) as s:
+                job = store.get_job(s, job_id)
+                s.refresh(job)
+                if JobState(job.state) != JobState.PENDING:
+                    continue
+                error = replan_if_needed(s, job, settings, topology)
+                if error is not None:
+                    store.transition(s, job_id, JobState.FAILED, reason=error)
+                else:
+                    store.transition(s, job_id, JobState.QUEUED, reason="admitted to the queue",
+                                     expected_version=job.version)
+        except (ConcurrentUpdate, IllegalTransition, JobNotFound) as e:
+            log.info("job %s changed while being admitted: %s", job_id, e)
+
+
+def _canonical_gpu(name: str | None) -> str | None:
+    if not name:
+        return None
+    try:
+        return get_gpu(name).name
+    except PlannerError:
+        return name
+
+
+def replan_if_needed(s: Session, job: Job, settings: Settings, topology: Topology) -> str | None:
+    """Re-plan a job whose plan is for another GPU type than the live cluster's (settings.gpu_type)
+    or that has no plan; returns an error message when no plan fits the live cluster."""
+    current = job.plan or {}
+    planned = _canonical_gpu((current.get("cluster") or {}).get("gpu_type"))
+    live = _canonical_gpu(settings.gpu_type)
+    if current.get("layout") and planned == live:
+        return None
+    try:
+        spec = JobSpec.model_validate(job.spec)
+        model = spec.model_spec()
+        layout = spec.explicit_layout()
+        alive = [n for n in topology.gpu_nodes if n.alive]
+        total = sum(n.gpus_total for n in alive)
+        per_rack = max((len(ns) for ns in topology.racks.values()), default=1)
+        num_gpus = spec.resources.gpus or (layout.world_size if layout else total)
+        cluster = ClusterSpec(
+            gpu_type=settings.gpu_type, num_gpus=max(1, num_gpus),
+            gpus_per_node=topology.gpus_per_node() or settings.embedded_gpus_per_node,
+            nodes_per_rack=max(1, per_rack),
+        )
+        train = TrainSpec(global_batch=spec.train.global_batch, seq_len=model.seq_len,
+                          precision=spec.train.precision)
+        new = plan(model, train, cluster) if layout is None else evaluate(model, train, cluster, layout)
+    except (PlannerError, ValueError) as e:
+        return f"no feasible plan for the live cluster ({settings.gpu_type}): {e}"
+    reason = f"re-planned for the live cluster's {live} (the plan was for {planned or 'nothing'})"
+    store.set_plan(s, job.id, new.to_dict(), reason=reason)
+    return None
+
+
+def controller_options(settings: Settings, spec: JobSpec, seq: int, reached_step: int,
+                       defaults: Mapping[str, Any]) -> ControllerOptions:
+    """The job's controller options: its hang timeout, the faults still ahead of `reached_step`
+    (only with settings.fault_injection; the controller validates and carries them out), and the
+    event numbering continuing after `seq`."""
+    model = spec.model_spec()
+    faults: tuple[dict[str, Any], ...] = ()
+    if settings.fault_injection:
+        faults = tuple(f.model_dump(exclude_none=True) for f in spec.faults if f.at_step > reached_step)
+    fields: dict[str, Any] = {
+        "hang_timeout_s": spec.fault_tolerance.heartbeat_timeout_s or settings.heartbeat_timeout_s,
+        "first_seq": seq,
+        "faults": faults,
+        "flops_per_token": flops_per_token(model, model.seq_len),
+        **defaults,
+    }
+    fields["first_seq"] = seq  # events continue the job's numbering whatever the defaults say
+    return ControllerOptions(**fields)
+
+
+def fail_job(sf: sessionmaker[Session], job_id: str, reason: str) -> None:
+    """Fail a job that cannot run; a job that changed meanwhile is left alone."""
+    try:
+        with store.session_scope(sf) as s:
+            store.transition(s, job_id, JobState.FAILED, reason=reason)
+    except (ConcurrentUpdate, IllegalTransition) as e:
+        log.info("job %s: not failed (%s)", job_id, e)
+
+
+class WaitingNotes:
+    """Why each queued job waits: a `waiting` event per distinct reason, never the same one twice."""
+
+    def __init__(self, sf: sessionmaker[Session], rsf: sessionmaker[Session]) -> None:
+        self._sf, self._rsf = sf, rsf
+        self._reasons: dict[str, str] = {}
+
+    def note(self, job_id: str, reason: str) -> None:
+        if job_id not in self._reasons:
+            with self._rsf() as s:
+                last = store.list_events(s, job_id, limit=None, types=["waiting"])
+            if last:
+                self._reasons[job_id] = str(last[-1].payload.get("reason"))
+        if self._reasons.get(job_id) == reason:
+            return
+        self._reasons[job_id] = reason
+        with store.session_scope(self._sf) as s:
+            store.append_event(s, job_id, "waiting", {"reason": reason})
+        log.info("job %s waits: %s", job_id, reason)
+
+    def forget(self, job_id: str) -> None:
+        self._reasons.pop(job_id, None)

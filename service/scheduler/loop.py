@@ -1,0 +1,341 @@
+"""The scheduler loop: the thread, the API's hooks (wake, cancel, inject_fault, cluster_view), the
+attached controllers and what one tick does with them (see the package docstring)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from service import metrics, store
+from service.errors import ConcurrentUpdate, IllegalTransition
+from service.scheduler import admission, reconcile
+from service.scheduler.attached import Attached, held_gpus
+from service.scheduler.cluster import free_view, sync_nodes
+from service.scheduler.ingest import PLACED_STATES, write_snapshot
+from service.scheduler.observer import JobMetrics, observe_cluster, observe_launch, observe_queue
+from service.schemas import JobSpec
+from service.settings import Settings
+from service.store.models import JobState
+from service.store.nodes import ClusterLedger, read_ledger
+from training.config.layout import Layout
+from workers.client import (
+    ClusterUnavailable,
+    ControllerBusy,
+    ControllerClient,
+    ControllerExists,
+    ControllerFailed,
+    ControllerGone,
+    ControllerStartError,
+    ControllerState,
+    controller_job_ids,
+    find_controller,
+    kill_controller,
+    live_topology,
+    start_controller,
+)
+from workers.placement import Placement, PlacementError, place
+from workers.policies import RestartPolicy
+from workers.topology import Topology
+
+log = logging.getLogger(__name__)
+
+# A controller whose poll() raises this many times in a row is replaced (the job recovers).
+MAX_POLL_ERRORS = 30
+class Scheduler:
+    """Implements the API's SchedulerHook (`wake`, `cancel`) and `cluster_view` for GET /v1/cluster."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        session_factory: sessionmaker[Session],
+        *,
+        read_session_factory: sessionmaker[Session] | None = None,
+        controller_defaults: Mapping[str, Any] | None = None,
+        interval_s: float | None = None,
+        poll_timeout_s: float = 10.0,
+    ) -> None:
+        self.settings = settings
+        self._sf = session_factory
+        self._rsf = read_session_factory or session_factory
+        # Extra ControllerOptions fields for every job (e.g. train_fn in tests, poll_interval_s).
+        self._controller_defaults = {"poll_interval_s": 0.2, **dict(controller_defaults or {})}
+        self.interval_s = interval_s if interval_s is not None else settings.scheduler_interval_s
+        self.poll_timeout_s = poll_timeout_s
+        self._attached: dict[str, Attached] = {}
+        self._cancels: set[str] = set()
+        self._waiting = admission.WaitingNotes(session_factory, self._rsf)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._topology: Topology | None = None
+        self._ledger: ClusterLedger | None = None
+        self._ledger_pushed: ClusterLedger | None = None
+
+    # ---- the API's hooks ---------------------------------------------------------------------------
+    def wake(self) -> None:
+        self._wake.set()
+
+    def cancel(self, job_id: str) -> None:
+        """The job is already `cancelled` in the store; stop its ranks on the next tick."""
+        with self._lock:
+            self._cancels.add(job_id)
+        self._wake.set()
+
+    def inject_fault(self, job_id: str, fault: Mapping[str, Any]) -> bool:
+        """Hand a fault spec (workers.faults) to the job's controller; False if the job has none here.
+        The caller checks settings.fault_injection and the admin role."""
+        a = self._attached.get(job_id)
+        if a is None:
+            return False
+        a.controller.inject_fault(fault, timeout_s=self.poll_timeout_s)
+        return True
+
+    def cluster_view(self) -> tuple[Topology | None, ClusterLedger | None]:
+        """The live topology (health merged) and the ledger as of the last tick."""
+        return self._topology, self._ledger
+
+    def attached_jobs(self) -> list[str]:
+        return sorted(self._attached)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Reconcile with the cluster, then run the loop in a daemon thread."""
+        self.reconcile()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="lattice-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop. Controllers are detached: their jobs keep running for the next service."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        self._attached.clear()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # the loop must survive a bad tick (DB or cluster hiccup); logged
+                log.exception("scheduler tick failed")
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+
+    def tick(self) -> None:
+        self._send_cancels()
+        for job_id in list(self._attached):
+            try:
+                self._poll(job_id)
+            except Exception:  # one job's trouble must not stall the others; logged
+                log.exception("job %s: poll/ingest failed", job_id)
+        topology = self._refresh_cluster()
+        admission.admit_pending(self._sf, self._rsf, self.settings, topology)
+        self._schedule(topology)
+        with self._rsf() as s:
+            observe_queue(store.count_jobs_by_state(s))
+
+    # ---- reconcile ---------------------------------------------------------------------------------
+    def reconcile(self) -> None:
+        """Re-attach live controllers of unfinished jobs; recover active jobs whose controller is gone;
+        end controllers of jobs the store says are finished."""
+        for job_id, state, seq in reconcile.unfinished_jobs(self._rsf):
+            controller = find_controller(job_id)
+            if controller is not None and controller.responds(seq, self.poll_timeout_s):
+                self._attach(job_id, controller, seq, {}, JobMetrics(job_id))
+                with store.session_scope(self._sf) as s:
+                    store.append_event(s, job_id, "reattached", {"controller": controller.name,
+                                                                  "after_seq": seq})
+                log.info("job %s: re-attached to its controller after seq %d", job_id, seq)
+            elif state in store.ACTIVE_STATES:
+                self._recover(job_id, "its controller is gone (found when the service started)")
+        self._end_orphans()
+
+    def _end_orphans(self) -> None:
+        """A controller of a job that the store says is finished (the service died between the
+        commit and ending it, or before a cancel reached it) must not keep running."""
+        try:
+            job_ids = controller_job_ids()
+        except ClusterUnavailable as e:
+            log.warning("%s", e)
+            return
+        for job_id in job_ids:
+            if reconcile.is_terminal(self._rsf, job_id):
+                log.info("job %s is finished in the store; ending its leftover controller", job_id)
+                kill_controller(job_id)
+
+    def _recover(self, job_id: str, why: str) -> None:
+        """Start a new controller that resumes from the job's last checkpoint (never run twice: the
+        named controller is unique, and the old one, with its ranks, is gone)."""
+        relaunch = reconcile.plan_recovery(self._sf, job_id, why)
+        if relaunch is None:
+            return
+        log.warning("job %s: %s; recovering from %s", job_id, why, relaunch.resume)
+        self._launch(job_id, JobSpec.model_validate(relaunch.spec), relaunch.seq, {},
+                     reached_step=relaunch.reached_step, restarts_used=relaunch.restarts_used)
+
+    # ---- polling attached controllers ------------------------------------------------------------------
+    def _attach(self, job_id: str, controller: ControllerClient, seq: int, intended: Mapping[str, int],
+                job_metrics: JobMetrics) -> None:
+        self._attached[job_id] = Attached(job_id=job_id, controller=controller, seq=seq,
+                                          intended=dict(intended), metrics=job_metrics)
+
+    def _poll(self, job_id: str) -> None:
+        a = self._attached[job_id]
+        try:
+            snap = a.controller.poll(a.seq, timeout_s=self.poll_timeout_s)
+        except ControllerBusy as e:
+            log.warning("%s; retrying next tick", e)
+            return
+        except ControllerGone as e:
+            del self._attached[job_id]
+            self._recover(job_id, f"its controller died: {e}")
+            return
+        except ControllerFailed as e:  # poll() itself raised (a controller bug): do not stall the others
+            a.poll_errors += 1
+            log.error("job %s: controller poll failed (%d in a row): %s", job_id, a.poll_errors, e)
+            if a.poll_errors >= MAX_POLL_ERRORS:
+                del self._attached[job_id]
+                kill_controller(job_id)
+                self._recover(job_id, f"its controller failed {a.poll_errors} polls in a row: {e}"[:500])
+            return
+        a.poll_errors = 0
+        try:
+            self._ingest(a, snap)
+        except (ConcurrentUpdate, IllegalTransition) as e:
+            log.info("job %s: changed while ingesting (%s); again next tick", job_id, e)
+
+    def _ingest(self, a: Attached, snap: Mapping[str, Any]) -> None:
+        """Write one controller snapshot into the store (one transaction), then act on it."""
+        new_events = [e for e in snap["events"] if e["seq"] > a.seq]
+        a.seq, current = write_snapshot(self._sf, a.job_id, a.seq, snap, new_events)
+        a.controller_state = ControllerState(snap["state"])
+        if a.controller_state in PLACED_STATES:
+            a.placement = list(snap["placement"])
+        a.metrics.observe(snap, new_events)
+        if snap["terminal"]:
+            self._detach(a.job_id, f"controller {snap['state']}")
+        elif current.terminal and not a.cancel_sent:
+            self._send_cancel(a, f"job {current.value} in the store")
+
+    def _send_cancels(self) -> None:
+        with self._lock:
+            wanted, self._cancels = self._cancels, set()
+        for job_id in wanted:
+            a = self._attached.get(job_id)
+            if a is not None and not a.cancel_sent:
+                self._send_cancel(a, "cancelled through the API")
+
+    def _send_cancel(self, a: Attached, reason: str) -> None:
+        try:
+            a.controller.cancel(reason)  # the next polls see CANCELLED; then it is detached
+            a.cancel_sent = True
+        except ControllerGone:
+            self._detach(a.job_id, "controller gone while cancelling")
+
+    def _detach(self, job_id: str, why: str) -> None:
+        self._attached.pop(job_id, None)
+        self._waiting.forget(job_id)
+        kill_controller(job_id)
+        metrics.forget_job(job_id)
+        log.info("job %s: detached (%s)", job_id, why)
+        self._wake.set()  # its GPUs may let a queued job start
+
+    # ---- the cluster -----------------------------------------------------------------------------------
+    def _refresh_cluster(self) -> Topology:
+        live = live_topology()
+        with self._rsf() as s:
+            changes = sync_nodes(s, live, dry_run=True)
+        if changes:
+            with store.session_scope(self._sf) as s:
+                sync_nodes(s, live)
+        with self._rsf() as s:
+            ledger = read_ledger(s)
+        topology = live.with_health(ledger.health, ledger.cordoned)
+        self._topology, self._ledger = topology, ledger
+        if ledger != self._ledger_pushed:
+            for a in list(self._attached.values()):
+                try:
+                    a.controller.update_nodes(ledger.health, ledger.cordoned)
+                except ControllerGone:
+                    log.debug("job %s: controller gone; its next poll recovers it", a.job_id)
+            self._ledger_pushed = ledger
+        observe_cluster(topology)
+        return topology
+
+    # ---- starting queued jobs ----------------------------------------------------------------------------
+    def _schedule(self, topology: Topology) -> None:
+        if any(a.reserving for a in self._attached.values()):
+            return  # one reservation in flight at a time
+        view = free_view(topology, held_gpus(self._attached.values()))
+        with self._rsf() as s:
+            queued = [(j.id, dict(j.plan or {}), j.version) for j in store.list_jobs(
+                s, states=[JobState.QUEUED], limit=None, order="queue") if j.id not in self._attached]
+        for job_id, plan, version in queued:
+            try:
+                layout = Layout.from_dict(plan["layout"])
+            except (KeyError, TypeError, ValueError) as e:
+                admission.fail_job(self._sf, job_id, f"the job's plan has no usable layout: {e}")
+                continue
+            try:
+                intended = place(layout, view)
+            except PlacementError as e:
+                self._waiting.note(job_id, str(e))
+                continue
+            self._start(job_id, version, layout, intended)
+            return  # the next start waits until this one holds its GPUs
+
+    def _start(self, job_id: str, version: int, layout: Layout, intended: Placement) -> None:
+        nodes: dict[str, int] = {}
+        for r in intended.ranks:
+            nodes[r.node_name] = nodes.get(r.node_name, 0) + 1
+        try:
+            with store.session_scope(self._sf) as s:
+                job = store.transition(
+                    s, job_id, JobState.STARTING, expected_version=version,
+                    reason=f"{layout.world_size} GPUs free for {layout.describe()}",
+                    event_payload={"nodes": nodes, "notes": list(intended.notes)},
+                )
+                spec_row, seq, created = dict(job.spec), job.controller_seq, job.created_at
+        except (ConcurrentUpdate, IllegalTransition) as e:
+            log.info("job %s changed before it could start: %s", job_id, e)
+            return
+        self._waiting.forget(job_id)
+        metrics.QUEUE_WAIT.observe(max(0.0, time.time() - created.timestamp()))
+        self._launch(job_id, JobSpec.model_validate(spec_row), seq, nodes, reached_step=0, restarts_used=0)
+
+    def _launch(self, job_id: str, spec: JobSpec, seq: int, intended: Mapping[str, int], *,
+                reached_step: int, restarts_used: int) -> None:
+        """Create the job's controller (or attach to the one already there)."""
+        with self._rsf() as s:
+            job = store.get_job(s, job_id)
+            layout = Layout.from_dict((job.plan or {})["layout"])
+            ledger = read_ledger(s)
+        ckpt_dir = (self.settings.checkpoint_root / job_id).resolve()  # type: ignore[operator]
+        policy = RestartPolicy(max_restarts=max(0, spec.fault_tolerance.max_restarts - restarts_used))
+        try:
+            run_cfg = spec.to_run_config(layout, str(ckpt_dir))
+            options = admission.controller_options(self.settings, spec, seq, reached_step,
+                                                   self._controller_defaults)
+            controller = start_controller(job_id, run_cfg, options=options, failure_policy=policy,
+                                          health=dict(ledger.health), cordoned=sorted(ledger.cordoned))
+        except ControllerExists:
+            found = find_controller(job_id)
+            if found is None:
+                return  # it just ended; the next tick sees the job again
+            controller = found
+            log.info("job %s: its controller already exists; attaching", job_id)
+        except Exception as e:  # a job that cannot get a controller fails, saying why; logged
+            log.exception("job %s: cannot start its controller", job_id)
+            cause = e.__cause__ if isinstance(e, ControllerStartError) and e.__cause__ else e
+            reason = f"could not start the job's controller: {type(cause).__name__}: {cause}"
+            admission.fail_job(self._sf, job_id, reason[:1000])
+            return
+        self._attach(job_id, controller, seq, intended, observe_launch(job_id, job.plan))

@@ -1,0 +1,172 @@
+"""`JobSpec`: what a user submits. Validation lives here, so every way into Lattice (HTTP, CLI,
+tests) refuses the same bad input with the same message, naming the field and what is allowed."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pydantic import (
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from training.config.layout import Layout, LayoutError
+from training.config.run import CheckpointConfig, DataConfig, IntegrityConfig, OptimConfig, RunConfig
+from training.config.spec import ModelSpec
+from training.config.validate import check_layout_for_model
+from workers.faults import FaultError, normalize_fault
+
+if TYPE_CHECKING:
+    pass
+from service.schemas.common import NAME_PATTERN, StrictModel, check_storable, error_message
+from service.schemas.faults import FaultSpec
+from service.schemas.model import ModelConfig, ModelField, ModelPreset
+from service.schemas.training import (
+    CheckpointPolicy,
+    DataSpec,
+    FaultTolerancePolicy,
+    LayoutSpec,
+    ParallelismField,
+    ResourcesSpec,
+    TrainConfig,
+)
+
+# ---- the job ----------------------------------------------------------------------------------
+DEMO_SPEC: dict[str, Any] = {
+    "name": "demo",
+    "priority": 0,
+    "model": {"preset": "demo"},
+    "data": {"kind": "synthetic", "seed": 0},
+    "train": {"steps": 30, "global_batch": 8, "lr": 0.003, "seed": 0},
+    "parallelism": "auto",
+    "resources": {"gpus": 8},
+    "checkpoint": {"every_steps": 10, "keep": 2},
+    "fault_tolerance": {"max_restarts": 3},
+}
+EXPLICIT_SPEC: dict[str, Any] = {
+    "name": "tiny-explicit",
+    "model": {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 32},
+    "train": {"steps": 10, "global_batch": 4},
+    "parallelism": {"tp": 2, "dp": 2, "micro_batch_size": 1, "num_microbatches": 2},
+    "faults": [{"kind": "kill_rank", "at_step": 5, "rank": 1}],
+}
+
+
+class JobSpec(StrictModel):
+    """Everything Lattice needs to run one training job."""
+
+    model_config = ConfigDict(
+        extra="forbid", allow_inf_nan=False, json_schema_extra={"examples": [DEMO_SPEC, EXPLICIT_SPEC]}
+    )
+
+    name: str = Field(
+        min_length=1,
+        max_length=128,
+        pattern=NAME_PATTERN,
+        description="Human-readable job name (letters, digits, '.', '_', '-', space).",
+        examples=["demo"],
+    )
+    priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first; ties go to the older job.")
+    model: ModelField = Field(description="A preset ({preset: NAME}) or an explicit model shape.")
+    data: DataSpec = Field(default_factory=DataSpec, description="Training data.")
+    train: TrainConfig = Field(description="Optimisation settings.")
+    parallelism: ParallelismField = Field(
+        "auto", description="'auto' lets the planner choose the layout, or an explicit layout."
+    )
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="GPU request.")
+    checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy, description="Checkpoint policy.")
+    fault_tolerance: FaultTolerancePolicy = Field(
+        default_factory=FaultTolerancePolicy, description="Restart and detection policy."
+    )
+    faults: list[FaultSpec] = Field(
+        default_factory=list,
+        max_length=100,
+        description="Faults to inject (testing; needs fault injection on).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable_strings(cls, data: Any) -> Any:
+        # PostgreSQL text/JSONB cannot hold NUL or NaN; lone surrogates cannot be encoded at all.
+        check_storable(data, "")
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if isinstance(self.model, ModelPreset):
+            self.model_spec()  # an unknown preset is a validation error naming model.preset
+        if isinstance(self.parallelism, LayoutSpec):
+            layout = self.parallelism.to_layout()
+            if layout.global_batch != self.train.global_batch:
+                raise ValueError(
+                    f"parallelism: dp ({layout.dp}) x micro_batch_size ({layout.micro_batch_size}) x "
+                    f"num_microbatches ({layout.num_microbatches}) = {layout.global_batch} must equal "
+                    f"train.global_batch ({self.train.global_batch})"
+                )
+            try:
+                check_layout_for_model(self.model_spec(), layout)  # what the ranks would refuse later
+            except LayoutError as e:
+                raise ValueError(f"parallelism: {e}") from e
+            if self.resources.gpus is not None and layout.world_size != self.resources.gpus:
+                raise ValueError(
+                    f"parallelism: tp x cp x dp x pp = {layout.world_size} must equal resources.gpus "
+                    f"({self.resources.gpus})"
+                )
+        return self
+
+    @field_validator("faults")
+    @classmethod
+    def _fault_targets(cls, faults: list[FaultSpec]) -> list[FaultSpec]:
+        for i, fault in enumerate(faults):
+            if fault.kind in ("kill_rank", "hang_rank", "slow_rank", "bitflip") and fault.rank is None:
+                raise ValueError(f"faults[{i}].rank is required for kind {fault.kind!r}")
+            try:  # the controller's own validation, so a bad parameter is a 422 and not a failed start
+                normalize_fault(fault.model_dump(exclude_none=True), f"faults[{i}]")
+            except FaultError as e:
+                raise ValueError(str(e)) from e
+        return faults
+
+    # ---- conversions ----------------------------------------------------------------------------
+    def model_spec(self) -> ModelSpec:
+        """The model shape, resolving a preset through the planner (ValueError names model.preset)."""
+        if isinstance(self.model, ModelConfig):
+            return self.model.to_model_spec()
+        from service.planner import PlannerError, get_preset
+
+        try:
+            return get_preset(self.model.preset)
+        except (PlannerError, KeyError, ValueError) as e:
+            message = error_message(e)
+            raise ValueError(
+                message if message.startswith("model.preset") else f"model.preset: {message}"
+            ) from e
+
+    def explicit_layout(self) -> Layout | None:
+        return self.parallelism.to_layout() if isinstance(self.parallelism, LayoutSpec) else None
+
+    def to_run_config(self, layout: Layout, checkpoint_dir: str | None) -> RunConfig:
+        """What each rank's training loop needs, for the layout the job was placed with."""
+        return RunConfig(
+            model=self.model_spec(),
+            layout=layout,
+            steps=self.train.steps,
+            seed=self.train.seed,
+            optim=OptimConfig(
+                lr=self.train.lr, weight_decay=self.train.weight_decay, grad_clip=self.train.grad_clip
+            ),
+            data=DataConfig(kind=self.data.kind, path=self.data.path, seed=self.data.seed),
+            checkpoint=CheckpointConfig(
+                dir=checkpoint_dir,
+                every_steps=self.checkpoint.every_steps,
+                keep=self.checkpoint.keep,
+                async_save=self.checkpoint.async_save,
+            ),
+            integrity=IntegrityConfig(fingerprint_every=self.fault_tolerance.sdc_check_every),
+            dp_impl=self.train.dp_impl,
+        )
+
+    def canonical(self) -> dict[str, Any]:
+        """The normalised spec as stored (defaults filled in); equal specs give equal dicts."""
+        return self.model_dump(mode="json")

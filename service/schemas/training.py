@@ -1,0 +1,130 @@
+"""The training side of a job spec: data, optimisation, the parallel layout, resources, checkpoint
+and fault-tolerance policies."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import (
+    Discriminator,
+    Field,
+    Tag,
+    model_validator,
+)
+
+from training.config.layout import RECOMPUTE, SCHEDULES, Layout, LayoutError
+
+if TYPE_CHECKING:
+    pass
+from service.schemas.common import MAX_COUNT, MAX_DEGREE, StrictModel
+
+
+class DataSpec(StrictModel):
+    kind: Literal["synthetic", "tokens"] = Field(
+        "synthetic",
+        description="synthetic: a deterministic task whose loss falls; tokens: a uint16 token file.",
+    )
+    path: str | None = Field(None, min_length=1, max_length=4096, description="Token file, for kind=tokens.")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Data order seed.")
+
+    @model_validator(mode="after")
+    def _path_for_tokens(self) -> DataSpec:
+        if self.kind == "tokens" and not self.path:
+            raise ValueError("data.path is required when data.kind is 'tokens'")
+        return self
+
+
+class TrainConfig(StrictModel):
+    steps: int = Field(ge=1, le=MAX_COUNT, description="Optimizer steps.")
+    global_batch: int = Field(ge=1, le=MAX_COUNT, description="Sequences per optimizer step.")
+    lr: float = Field(3e-3, gt=0, le=10, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, le=10, description="AdamW weight decay.")
+    grad_clip: float | None = Field(
+        None, gt=0, le=1e6, description="Global gradient-norm clip; unset = none."
+    )
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Initialisation seed.")
+    precision: Literal["bf16_fp32_adam", "bf16_fp32_master"] = Field(
+        "bf16_fp32_adam", description="Mixed precision recipe (the planner counts its bytes per parameter)."
+    )
+    dp_impl: Literal["lattice", "torch"] = Field(
+        "lattice", description="Data-parallel implementation at zero_stage 0: Lattice's DDP or torch DDP."
+    )
+
+
+# ---- parallelism ------------------------------------------------------------------------------
+class LayoutSpec(StrictModel):
+    """An explicit parallel layout (the fields of training.config.layout.Layout)."""
+
+    tp: int = Field(1, ge=1, le=MAX_DEGREE, description="Tensor parallel degree (inside one node).")
+    pp: int = Field(1, ge=1, le=MAX_DEGREE, description="Pipeline parallel degree.")
+    dp: int = Field(1, ge=1, le=MAX_DEGREE, description="Data parallel degree.")
+    cp: int = Field(1, ge=1, le=MAX_DEGREE, description="Context parallel degree.")
+    ep: int = Field(1, ge=1, le=MAX_DEGREE, description="Expert parallel degree (carved out of dp x cp).")
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 0 DDP, 1/2 sharded state, 3 FSDP.")
+    micro_batch_size: int = Field(1, ge=1, le=MAX_DEGREE, description="Sequences per micro-batch.")
+    num_microbatches: int = Field(
+        1, ge=1, le=MAX_DEGREE, description="Micro-batches per step (per DP rank)."
+    )
+    schedule: Literal[SCHEDULES] = Field("none", description="Pipeline schedule; 'none' when pp == 1.")  # type: ignore[valid-type]
+    sequence_parallel: bool = Field(
+        False, description="Shard norms/dropout over the TP group (needs tp > 1)."
+    )
+    recompute: Literal[RECOMPUTE] = Field("none", description="Activation recomputation.")  # type: ignore[valid-type]
+    virtual_stages: int = Field(
+        1, ge=1, le=1024, description="Stages per pipeline rank (interleaved/V schedules)."
+    )
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> LayoutSpec:
+        try:
+            self.to_layout()
+        except LayoutError as e:
+            raise ValueError(str(e).replace("layout.", "parallelism.")) from e
+        return self
+
+    def to_layout(self) -> Layout:
+        return Layout(**self.model_dump())
+
+
+def _parallelism_kind(value: Any) -> str:
+    return "auto" if isinstance(value, str) else "layout"
+
+
+ParallelismField = Annotated[
+    Annotated[Literal["auto"], Tag("auto")] | Annotated[LayoutSpec, Tag("layout")],
+    Discriminator(
+        _parallelism_kind,
+        custom_error_type="parallelism_kind",
+        custom_error_message="parallelism must be 'auto' or a layout object",
+    ),
+]
+
+
+# ---- resources and policies -------------------------------------------------------------------
+class ResourcesSpec(StrictModel):
+    gpus: int | None = Field(
+        None, ge=1, le=MAX_DEGREE, description="GPUs to use; unset = what the plan wants."
+    )
+    gpu_type: str | None = Field(
+        None, min_length=1, max_length=64, description="GPU type; unset = the cluster's."
+    )
+
+
+class CheckpointPolicy(StrictModel):
+    every_steps: int = Field(
+        0, ge=0, le=MAX_COUNT, description="Checkpoint period in steps; 0 = only at the end."
+    )
+    keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept per job.")
+    async_save: bool = Field(
+        False, description="Write checkpoints in the background while training continues."
+    )
+
+
+class FaultTolerancePolicy(StrictModel):
+    max_restarts: int = Field(3, ge=0, le=1000, description="Restarts before the job is failed.")
+    heartbeat_timeout_s: float | None = Field(
+        None, gt=0, le=86_400, description="A rank silent this long is hung; unset = the service default."
+    )
+    sdc_check_every: int = Field(
+        1, ge=0, le=MAX_COUNT, description="Replica fingerprint check period; 0 = off."
+    )

@@ -1,0 +1,82 @@
+"""What the train loop tells its caller and what the caller may ask of it: the hooks every rank calls
+(`TrainHooks`), the actions they return, the per-step progress (`StepInfo`) and the result of a run."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from training.checkpoint.checkpointer import CheckpointInfo
+from training.integrity.attribution import AuditConfig
+from training.integrity.detectors import IntegrityError
+from training.integrity.injection import BitFlipInjector
+
+
+class Action(enum.Enum):
+    CONTINUE = "continue"
+    CHECKPOINT = "checkpoint"
+    STOP = "stop"  # stop after this step, without a final checkpoint
+    CHECKPOINT_AND_STOP = "checkpoint_and_stop"
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    step: int
+    loss: float  # global-batch mean, the same on every rank
+    tokens_per_s: float
+    step_time_s: float
+    mfu: float | None  # None when the device's peak FLOP/s is unknown (CPU)
+    data_positions: list[int]  # global sample indices this rank trained on in this step
+
+
+class TrainHooks:
+    """Override what you need. Every rank calls its own hooks; actions are agreed across ranks."""
+
+    #: Bit flips to inject (tests of the integrity checks): a rank's local gradient as backward
+    #: produces it, before the DP reduction averages it into every replica; params after the
+    #: optimizer step, so a flip on one replica makes it diverge from the others.
+    injector: BitFlipInjector | None = None
+    #: Checks beyond RunConfig.integrity: local gradient norms, pre-step snapshots for re-runs.
+    audit: AuditConfig | None = AuditConfig()
+    #: Restore only a checkpoint of one of these steps (the verified ones); None = any valid one.
+    restore_steps: Collection[int] | None = None
+
+    def on_step(self, info: StepInfo) -> Action | None:
+        return None
+
+    def on_restore(self, step: int | None) -> None:
+        """Training starts from checkpoint `step` (None: from scratch)."""
+        return None
+
+    def on_collective(self, step: int, name: str) -> None:
+        """About to enter the per-step control collective `name` that every rank joins (a rank that
+        never reports it while the others did is the one they wait for)."""
+        return None
+
+    def on_checkpoint_start(self, step: int) -> None:
+        """A checkpoint save of `step` begins."""
+        return None
+
+    def on_verified(self, step: int) -> None:
+        """Every rank's integrity checks passed at `step`, replica comparison included."""
+        return None
+
+    def should_checkpoint(self, step: int) -> bool:
+        return False
+
+    def on_checkpoint(self, step: int, path: str, nbytes: int, seconds: float) -> None:
+        return None
+
+    def on_integrity_error(self, error: IntegrityError) -> Action | None:
+        """Default: raise. Return an Action to keep going (CONTINUE) or stop (STOP) instead."""
+        raise error
+
+
+@dataclass
+class TrainResult:
+    final_step: int
+    losses: list[float]  # one per step run in this call
+    model_digest: str
+    checkpoints: list[CheckpointInfo] = field(default_factory=list)
+    resumed_from: int | None = None

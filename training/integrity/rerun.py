@@ -1,0 +1,111 @@
+"""Attribution of a failed integrity check by re-running the step: every rank agrees on one error,
+re-runs the step from the pre-step snapshot, and the ranks whose first result did not reproduce
+(transient) or did (persistent) are named; two replicas that disagree again leave a snapshot for a
+referee (training.integrity.referee). The train loop (training.train) calls it on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from training.config.run import RunConfig
+from training.integrity.attribution import StepSnapshot, rerun_verdict
+from training.integrity.detectors import IntegrityError
+from training.integrity.fingerprint import FingerprintVote
+from training.integrity.referee import referee_snapshot_path, referee_supported, save_referee_snapshot
+from training.parallel.dist import DistContext
+
+
+class RerunnableTrainer(Protocol):
+    """What the re-run needs of the trainer (training.train.Trainer)."""
+
+    ctx: DistContext
+    cfg: RunConfig
+    snapshot: StepSnapshot | None
+    last_vote: FingerprintVote | None  # the vote of the step as first run (None when not due)
+    pending_vote: FingerprintVote | None  # the vote of the step just run
+    rerun_local: tuple[float, bool] | None  # the local gradient check's report on the re-run
+
+    def train_step(self, step: int, rerun: bool = False) -> tuple[float, list[int]]: ...
+
+
+def gather_object(value: Any) -> list[Any]:
+    """`value` from every rank of the world, in rank order."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def shared_error(error: IntegrityError | None) -> tuple[IntegrityError, list[tuple]]:
+    """The integrity error every rank raises: the lowest-ranked detector's, with all detectors' ranks;
+    and every detector's (kind, step, ranks, evidence)."""
+    # Sent as plain tuples: IntegrityError's constructor arguments do not survive pickling.
+    mine = (error.kind, error.step, error.ranks, error.evidence) if error is not None else None
+    found = [e for e in gather_object(mine) if e is not None]
+    kind, step, _, evidence = found[0]
+    ranks = sorted({r for e in found for r in e[2]})
+    return IntegrityError(kind, step, ranks, evidence), found
+
+
+_LOCAL_KINDS = ("grad_norm_spike", "nonfinite")
+
+
+def rerun_attribution(
+    trainer: RerunnableTrainer, step: int, shared: IntegrityError, found: list[tuple]
+) -> IntegrityError:
+    """Run `step` again from the pre-step snapshot on every rank and name the rank(s) whose first
+    result did not reproduce (transient) or did (persistent). See training.integrity.attribution."""
+    first = trainer.last_vote
+    trainer.snapshot.restore()  # type: ignore[union-attr]
+    trainer.train_step(step, rerun=True)
+    rerun_vote = trainer.pending_vote if first is not None else None
+    mine: dict[str, Any] = {"rank": trainer.ctx.rank}
+    if first is not None and rerun_vote is not None and first.divergent:
+        culprits, transient, evidence = rerun_verdict(first, rerun_vote)
+        mine["vote"] = (culprits, transient, evidence)
+    if trainer.rerun_local is not None:
+        mine["local"] = trainer.rerun_local
+    referee = _maybe_write_referee_snapshot(trainer, step, first, rerun_vote)
+    results = gather_object(mine)  # also the barrier after which the referee's snapshot is on disk
+    culprits: set[int] = set()
+    transient = True
+    evidence: dict[str, Any] = {"attribution": "rerun from the pre-step snapshot", "first": shared.evidence}
+    votes = {}
+    for res in results:
+        if "vote" in res:
+            c, t, ev = res["vote"]
+            culprits.update(c)
+            transient = transient and t
+            votes[str(tuple(ev["ranks"]))] = ev
+    if votes:
+        evidence["votes"] = list(votes.values())
+    local_named = sorted({r for kind, _, ranks, _ in found if kind in _LOCAL_KINDS for r in ranks})
+    if local_named and len(local_named) < dist.get_world_size():
+        again = [res["rank"] for res in results if res.get("local", (0.0, False))[1]]
+        culprits.update(local_named)
+        transient = transient and not set(again) & set(local_named)
+        evidence["local_rerun"] = {str(res["rank"]): res.get("local", (None,))[0] for res in results}
+    if not culprits:
+        culprits = set(shared.ranks)
+    evidence["transient"] = transient
+    evidence["reproduced"] = not transient
+    if referee is not None and not transient:
+        evidence["referee"] = referee  # the controller asks a spare on a healthy node (workers.referee)
+    return IntegrityError(shared.kind, step, sorted(culprits), evidence)
+
+
+def _maybe_write_referee_snapshot(trainer: RerunnableTrainer, step: int, first: FingerprintVote | None,
+                                  rerun: FingerprintVote | None) -> dict[str, Any] | None:
+    """Two replicas that disagreed again on the re-run: the lowest rank writes the pre-step
+    snapshot for a referee (training.integrity.referee) and every rank returns where it is."""
+    cfg = trainer.cfg
+    if (first is None or rerun is None or rerun.ok or not rerun.ambiguous or not cfg.checkpoint.dir
+            or trainer.snapshot is None or not referee_supported(cfg.layout)):
+        return None
+    path = referee_snapshot_path(cfg.checkpoint.dir, step)
+    if trainer.ctx.rank == min(first.ranks):
+        save_referee_snapshot(path, trainer.snapshot.state())
+    prints = {str(r): f"{f:032x}" for r, f in zip(first.ranks, first.fingerprints, strict=True)}
+    return {"snapshot": path, "step": step, "dp_group": list(first.ranks), "fingerprints": prints}

@@ -1,0 +1,94 @@
+"""The optimizer step's parallel pieces: AdamW (ZeRO-1 sharded over the replica group), the global
+gradient-norm clip across pipeline stages and TP meshes, and micro-batching: when the data-parallel
+gradient reduction is held back and when it completes.
+
+With pipeline parallelism a stage runs backward once per micro-batch (the zero-bubble schedules
+split it into input and weight parts), so the train loop runs the whole schedule inside DDP's
+`no_sync()` and reduces once after the flush (`finish_gradient_synchronization` launches every
+bucket from the final gradients), as Megatron-LM does; FSDP stages are driven by the pipeline
+stage itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from training.config.layout import Layout
+from training.config.run import RunConfig
+from training.parallel.zero import ShardedOptimizer
+
+
+@contextlib.contextmanager
+def microbatch_context(module: nn.Module, is_last: bool) -> Iterator[None]:
+    """Skip the data-parallel gradient reduction on every micro-batch but the last."""
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(is_last)
+        yield
+    elif not is_last and hasattr(module, "no_sync"):
+        with module.no_sync():
+            yield
+    else:
+        yield
+
+
+def finish_grad_sync(modules: list[nn.Module]) -> None:
+    """Complete the data-parallel gradient average after the last backward of a step."""
+    for module in modules:
+        if hasattr(module, "finish_gradient_synchronization"):
+            module.finish_gradient_synchronization()
+
+
+@contextlib.contextmanager
+def no_grad_sync(modules: list[nn.Module]) -> Iterator[None]:
+    """Hold back DDP's per-gradient reductions (used around a whole pipeline schedule)."""
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            if hasattr(module, "no_sync") and not isinstance(module, FSDPModule):
+                stack.enter_context(module.no_sync())
+        yield
+
+
+def build_optimizer(model_parts: list[nn.Module], layout: Layout, run_cfg: RunConfig,
+                    dp_group: dist.ProcessGroup | None) -> torch.optim.Optimizer:
+    """AdamW over every trainable parameter of this rank's parts; ZeRO-1 shards its state over
+    `dp_group`, which must hold ranks with identical parameters: ParallelDims.replica_group()
+    (dp x cp, or the expert-data-parallel group with expert parallel)."""
+    seen: set[int] = set()
+    params = []
+    for part in model_parts:
+        for p in part.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    o = run_cfg.optim
+    kwargs = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    if layout.zero_stage == 1 and dp_group is not None and dist.get_world_size(dp_group) > 1:
+        return ShardedOptimizer(params, torch.optim.AdamW, process_group=dp_group, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
+@torch.no_grad()
+def clip_grad_norm(model_parts: list[nn.Module], max_norm: float,
+                   pp_group: dist.ProcessGroup | None) -> float:
+    """Clip by the global L2 norm over all stages (DTensor grads reduce over their own meshes)."""
+    grads = [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    for g in grads:
+        n = torch.linalg.vector_norm(g.float())
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        sq = sq + n.to(sq.device) ** 2
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(sq, group=pp_group)
+    total = sq.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device) if not isinstance(g, DTensor) else coef.item())
+    return float(total)

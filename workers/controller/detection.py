@@ -1,0 +1,142 @@
+"""Failure detection from one poll of the ranks: pure functions that return a typed `Failure`.
+
+- `death`: ranks whose actor is gone, and whether their node went with them;
+- `hang`: ranks without progress, the culprit found by who never entered the step's collective;
+- `straggler`: a rank the `StragglerWatch` found arriving last, step after step;
+- `sdc`: the engine's integrity error (NaN/Inf, loss spike, divergent DP replicas);
+- `detect`: all of them in order, over a `GroupStatus` and the current `Attempt`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from workers.controller.attempt import Attempt
+from workers.controller.options import ControllerOptions
+from workers.policies import Failure, FailureKind
+from workers.worker_group import GroupStatus
+
+# How each kind of failure is noticed, as the failure event reports it.
+DETECTED_BY: dict[FailureKind, str] = {
+    FailureKind.RANK_DIED: "actor death (ActorDiedError)",
+    FailureKind.NODE_DIED: "node death (the node left the cluster; its actors died)",
+    FailureKind.HANG: "heartbeat timeout",
+    FailureKind.STRAGGLER: "collective arrival times",
+    FailureKind.SDC: "integrity checks (fingerprint vote / re-run, local gradient norm, NaN/Inf, loss spike)",
+    FailureKind.RANK_ERROR: "rank error",
+    FailureKind.STARTUP: "startup",
+    FailureKind.CHECKPOINT: "manifest verification",
+}
+
+
+def progress_timeout(options: ControllerOptions, stepped: bool, saving: bool) -> float:
+    """How long a running rank may go without progress before it counts as hung."""
+    if not stepped:
+        return options.startup_timeout_s
+    # A save runs between two steps and may outlast the heartbeat timeout.
+    if saving:
+        return max(options.hang_timeout_s, options.checkpoint_timeout_s)
+    return options.hang_timeout_s
+
+
+def death(
+    ranks: list[int], status: GroupStatus, attempt: Attempt, node_gone: Callable[[str], bool], step: Any
+) -> Failure:
+    """`ranks` died: a node death if their node left the cluster, else a rank death."""
+    nodes = attempt.nodes(ranks)
+    gone = [n for n in nodes if node_gone(n)]
+    errors = {r: status.ranks[r].error for r in ranks}
+    if gone:
+        on_gone = tuple(r for r in ranks if attempt.rank_node.get(r) in gone)
+        return Failure(FailureKind.NODE_DIED, f"node(s) {gone} died with rank(s) {list(on_gone)}",
+                       on_gone, tuple(gone), step, evidence={"errors": errors})
+    return Failure(FailureKind.RANK_DIED, f"rank(s) {ranks} died: {status.ranks[ranks[0]].error}",
+                   tuple(ranks), nodes, step, evidence={"errors": errors})
+
+
+def hang(stale: list[int], status: GroupStatus, attempt: Attempt, timeout_s: float, step: Any) -> Failure:
+    """`stale` ranks made no progress. Everyone waits in the collective the hung rank never joined:
+    the culprits are the ranks whose last report is furthest behind ((step, entered the
+    collective)), else the ones that stopped earliest (lowest step, then longest silence)."""
+    markers = {r: attempt.markers.get(r) for r in stale}
+    evidence: dict[str, Any] = {"stale_ranks": stale,
+                                "last_report": {str(r): m for r, m in markers.items()}}
+    known = {r: m for r, m in markers.items() if m is not None}
+    if len(known) == len(stale) and len(set(known.values())) > 1:
+        low = min(known.values())
+        culprits = sorted(r for r, m in known.items() if m == low)
+        waiting = sorted(r for r, m in known.items() if m != low)
+        evidence["waiting_in_collective"] = waiting
+        longest = max(status.ranks[r].since_progress_s for r in culprits)
+        return Failure(FailureKind.HANG, f"rank(s) {culprits} never entered the step-{low[0]} collective "
+                       f"that rank(s) {waiting} wait in ({longest:.0f}s)", tuple(culprits),
+                       attempt.nodes(culprits), step, evidence=evidence)
+    low_step = min((status.ranks[r].step or 0) for r in stale)
+    behind = [r for r in stale if (status.ranks[r].step or 0) == low_step]
+    longest = max(status.ranks[r].since_progress_s for r in behind)
+    culprits = sorted(r for r in behind if status.ranks[r].since_progress_s >= longest - 1.0)
+    return Failure(FailureKind.HANG, f"no progress from rank(s) {culprits} for {longest:.0f}s "
+                   f"(timeout {timeout_s:.0f}s)", tuple(culprits), attempt.nodes(culprits), step,
+                   evidence=evidence)
+
+
+def straggler(found: Mapping[str, Any], attempt: Attempt, step: Any) -> Failure:
+    """`found` is what `StragglerWatch.arrive` returned: the rank and its recent lags."""
+    rank = int(found["rank"])
+    return Failure(FailureKind.STRAGGLER, f"rank {rank} reached the step's collective last by "
+                   f"{found['lags'][-1]['lag_s']:.1f}s for {len(found['lags'])} steps in a row",
+                   (rank,), attempt.nodes([rank]), step, evidence=dict(found))
+
+
+def sdc(info: Mapping[str, Any], failed: Collection[int], attempt: Attempt) -> Failure:
+    """The engine's checks (NaN/Inf, loss spike, divergent DP replicas) name the ranks."""
+    culprits = tuple(info.get("ranks") or failed)
+    return Failure(FailureKind.SDC, f"integrity check {info.get('error_kind')} failed at step "
+                   f"{info.get('step')} on rank(s) {list(culprits)}", culprits, attempt.nodes(culprits),
+                   info.get("step"), evidence=dict(info))
+
+
+def detect(
+    status: GroupStatus,
+    now: float,
+    attempt: Attempt,
+    options: ControllerOptions,
+    step: Any,
+    node_gone: Callable[[str], bool],
+    found_straggler: Mapping[str, Any] | None,
+) -> Failure | None:
+    """The failure this poll shows, if any, the most certain first. Starts the attempt's grace
+    period (`attempt.failed_since`) when ranks failed while others are unresponsive."""
+    dead = status.in_state("dead")
+    if dead:
+        return death(dead, status, attempt, node_gone, step)
+    failed = status.in_state("failed")
+    if failed and attempt.integrity is not None:
+        return sdc(attempt.integrity, failed, attempt)
+    unresponsive = status.in_state("unresponsive")
+    if failed and unresponsive:
+        # Peers of a rank that is gone fail in their collectives first: blame the silent one.
+        attempt.failed_since = attempt.failed_since or now
+        if now - attempt.failed_since < options.failure_grace_s:
+            return None
+        return death(unresponsive, status, attempt, node_gone, step)
+    if failed:
+        first = status.ranks[failed[0]]
+        return Failure(FailureKind.RANK_ERROR, f"rank(s) {failed} failed: {first.error}",
+                       tuple(failed), attempt.nodes(failed), step)
+    gone = [r for r in unresponsive if (n := attempt.rank_node.get(r)) and node_gone(n)]
+    if gone:
+        return death(gone, status, attempt, node_gone, step)
+    silent = [r for r in unresponsive if now - attempt.last_seen.get(r, now) > options.hang_timeout_s]
+    if silent:
+        return Failure(FailureKind.HANG, f"rank(s) {silent} unresponsive for over "
+                       f"{options.hang_timeout_s:.0f}s", tuple(silent), attempt.nodes(silent), step)
+    saving = attempt.ckpt_open is not None
+    stale = [r for r, s in status.ranks.items()
+             if s.state == "running" and s.since_progress_s > progress_timeout(options, s.stepped, saving)]
+    if stale:
+        return hang(stale, status, attempt, progress_timeout(options, True, saving), step)
+    if found_straggler is not None:
+        return straggler(found_straggler, attempt, step)
+    return None

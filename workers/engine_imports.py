@@ -1,0 +1,40 @@
+"""Importing the training engine from a rank or the controller: `train_fn` paths
+('package.module:function') and warming the slow imports (torch, the engine) in the background."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# What a rank (and the controller, for checkpoint scrubbing) imports before its first use: torch
+# and the engine take seconds to import, which a replacement rank or the first scrub would
+# otherwise spend on the recovery path.
+WARM_MODULES = ("torch", "torch.distributed.checkpoint", "training.checkpoint.checkpointer", "training.train")
+
+
+def warm_imports(modules: tuple[str, ...] = WARM_MODULES) -> threading.Thread:
+    """Import `modules` in a background thread (the import lock makes a later import wait for it)."""
+
+    def run() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception as e:  # noqa: BLE001 - the real import will report it
+                log.debug("warm import of %s failed: %s", name, e)
+
+    thread = threading.Thread(target=run, name="lattice-warm-imports", daemon=True)
+    thread.start()
+    return thread
+
+
+def import_callable(path: str) -> Callable[..., Any]:
+    """'package.module:function' -> the function."""
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"train_fn must look like 'package.module:function', got {path!r}")
+    return getattr(importlib.import_module(module), name)
