@@ -4,7 +4,8 @@
 
 `fn(rank, world_size, *args)` must be a module-level function (it is pickled by name into
 spawned processes). The process group is initialised before `fn` runs, on a free port.
-A failure on any rank raises `RankFailed` with that rank's traceback. Return plain Python
+A failure on any rank raises `RankFailed` with that rank's traceback, and so does a rank process
+that exits non-zero after returning its result (an abort at interpreter exit). Return plain Python
 values (lists, floats, strings), not tensors: a tensor travels through shared memory that dies
 with the rank process before the parent reads it.
 """
@@ -73,4 +74,7 @@ def run_ranks(
     if errors:
         rank = min(errors)
         raise RankFailed(f"rank {rank} failed:\n{errors[rank]}")
+    codes = [p.exitcode for p in procs]
+    if any(code != 0 for code in codes):
+        raise RankFailed(f"rank processes exited with {codes} after returning their results")
     return [results[r] for r in range(world_size)]

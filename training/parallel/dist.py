@@ -7,9 +7,11 @@ hard-coded: `free_port()` asks the OS.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +88,25 @@ def init_from_env() -> DistContext:
     )
 
 
+# How long the main thread lets gloo's worker threads take the GIL after the groups are destroyed.
+_RETIRE_S = 0.1
+
+
 def shutdown() -> None:
+    """Leave every process group so that the process can exit without aborting.
+
+    A gloo worker thread retires a finished collective after the caller's `wait()` has returned;
+    when the collective's tensors were created in Python (a broadcast buffer, a pickled object, DCP's
+    plans) and Python has already dropped them, the worker drops the last reference and must take the
+    GIL to free the Python object. If the interpreter is already finalizing, CPython ends that thread
+    with a forced unwind through a noexcept frame and the process dies with "terminate called without an
+    active exception" (SIGABRT) after training succeeded. The groups' C++ objects, and so their
+    threads, outlive `destroy_process_group()` once torch._dynamo is imported (every optimizer imports
+    it), so joining them is not in our hands: destroy the groups, collect what Python still holds, and
+    release the GIL long enough for the workers to retire their last collectives (they are waiting for
+    it, so they run as soon as the main thread sleeps).
+    """
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
+    time.sleep(_RETIRE_S)
