@@ -58,6 +58,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from training.parallel.wrapping import copy_full_into
+
 ACTIVATIONS = ("swiglu", "gelu")
 
 
@@ -196,7 +198,7 @@ class MoELayer(nn.Module):
         self.seed = self.seed if seed is None else seed
         gen = torch.Generator().manual_seed(self.seed)
         router = torch.randn(self.num_experts, self.hidden, generator=gen, device="cpu") * self.init_std
-        _copy_rows(self.router.weight, router)
+        copy_full_into(self.router.weight, router)
         for which, p in ((0, self.w_gate), (1, self.w_up), (2, self.w_down)):
             if p is None:
                 continue
@@ -356,14 +358,3 @@ def _dim0_slice(p: torch.Tensor) -> tuple[int, int]:
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)  # type: ignore[attr-defined]
     return int(offset[0]), int(shape[0])
 
-
-def _copy_rows(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the rows of `full` that `param` holds (all, or its DTensor shard's) into it."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        shard = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
-                                  src_data_rank=None)
-        param.to_local().copy_(shard.to_local())
-    else:
-        param.copy_(full.to(dtype=param.dtype, device=param.device))

@@ -53,6 +53,7 @@ from torch.utils.checkpoint import checkpoint
 from training.config.spec import ModelSpec
 from training.model.moe import MoELayer
 from training.parallel.context import cp_attention, cp_positions, shard_sequence
+from training.parallel.wrapping import copy_full_into
 
 # Wrapper prefixes that torch inserts into parameter names; stripped to get canonical names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -309,18 +310,6 @@ def init_tensor(spec: ModelSpec, name: str, shape: tuple[int, ...], seed: int) -
     gen = torch.Generator().manual_seed(_name_seed(seed, name))
     return torch.randn(shape, generator=gen) * std
 
-
-def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the part of the full tensor that `param` holds (all of it, or its DTensor shard)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        # src_data_rank=None: every rank already has the full value, so it just keeps its slice.
-        shard = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
-                                  src_data_rank=None)
-        param.to_local().copy_(shard.to_local())
-    else:
-        param.copy_(full.to(dtype=param.dtype, device=param.device))
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
