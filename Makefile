@@ -47,7 +47,7 @@ test-faults: install postgres
 bench: install
 	$(BIN)/python -m pip install -q -e '.[dev,bench]'
 	$(BIN)/python -m bench.planner
-	$(BIN)/python -m bench.api --duration 20
+	$(BIN)/python -m bench.api --rates 50,100,200,400 --duration 10
 	$(BIN)/python -m bench.ddp
 	$(BIN)/python -m bench.zero
 	$(BIN)/python -m bench.pipeline

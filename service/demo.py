@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -182,9 +183,12 @@ def run_demo(spec_path: Path, *, exit_after: bool, port: int | None) -> int:
         url = runtime.serve_in_thread(port)
         settings.server_file.write_text(url + "\n")
         console.print(f"Lattice is serving on {url}")
-        if runtime.admin_token is not None:
+        if runtime.admin_token is not None and sys.stdout.isatty():
             console.print(f"Admin token (shown once; saved to {settings.token_path}, mode 0600):")
             console.print(runtime.admin_token, soft_wrap=True)
+            token = runtime.admin_token
+        elif runtime.admin_token is not None:  # a log, not a person: never write the secret there
+            console.print(f"Admin token created and saved to {settings.token_path} (mode 0600)")
             token = runtime.admin_token
         else:
             console.print(f"Admin token: in {settings.token_path}")

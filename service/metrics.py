@@ -2,12 +2,15 @@
 
 Dashboards, alert rules and their tests read the names from here (see tests/deploy), so a
 rename breaks a test rather than a dashboard. Labels are low-cardinality: per-job series
-carry `job_id` and exist only while the job is active (`forget_job` removes them).
+carry `job_id`, `job_name` and `tenant` (one set of values per job: `job_labels`) and exist only
+while the job is active (`forget_job` removes them).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from workers.policies import FailureKind
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -42,56 +45,72 @@ QUEUE_WAIT = Histogram(
 )
 
 # ---- per active job ------------------------------------------------------------------------
-JOB_STEP = Gauge("lattice_job_step", "Last completed optimizer step.", ["job_id"], registry=REGISTRY)
-JOB_LOSS = Gauge("lattice_job_loss", "Training loss at the last step.", ["job_id"], registry=REGISTRY)
-JOB_TOKENS_PER_S = Gauge(
-    "lattice_job_tokens_per_second", "Training throughput.", ["job_id"], registry=REGISTRY
+# The job's id, its name and its tenant: a job's name and tenant never change, so these add no series.
+JOB_LABELS = ("job_id", "job_name", "tenant")
+JOB_STEP = Gauge("lattice_job_step", "Last completed optimizer step.", JOB_LABELS, registry=REGISTRY)
+JOB_LOSS = Gauge("lattice_job_loss", "Training loss at the last step.", JOB_LABELS, registry=REGISTRY)
+JOB_VAL_LOSS = Gauge(
+    "lattice_job_val_loss", "Loss on the held-out split at its last evaluation.", JOB_LABELS,
+    registry=REGISTRY,
 )
-JOB_MFU = Gauge("lattice_job_mfu", "Measured model FLOPs utilisation.", ["job_id"], registry=REGISTRY)
+JOB_TOKENS_PER_S = Gauge(
+    "lattice_job_tokens_per_second", "Training throughput.", JOB_LABELS, registry=REGISTRY
+)
+JOB_MFU = Gauge("lattice_job_mfu", "Measured model FLOPs utilisation.", JOB_LABELS, registry=REGISTRY)
 JOB_MFU_PREDICTED = Gauge(
-    "lattice_job_mfu_predicted", "The planner's predicted MFU.", ["job_id"], registry=REGISTRY
+    "lattice_job_mfu_predicted", "The planner's predicted MFU.", JOB_LABELS, registry=REGISTRY
 )
 JOB_STEP_TIME = Histogram(
     "lattice_job_step_seconds",
     "Optimizer step wall time.",
-    ["job_id"],
+    JOB_LABELS,
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
     registry=REGISTRY,
 )
 JOB_CHECKPOINT_SECONDS = Gauge(
-    "lattice_job_checkpoint_seconds", "Duration of the last checkpoint save.", ["job_id"], registry=REGISTRY
+    "lattice_job_checkpoint_seconds", "Duration of the last checkpoint save.", JOB_LABELS, registry=REGISTRY
 )
 JOB_CHECKPOINT_BYTES = Gauge(
-    "lattice_job_checkpoint_bytes", "Size of the last checkpoint.", ["job_id"], registry=REGISTRY
+    "lattice_job_checkpoint_bytes", "Size of the last checkpoint.", JOB_LABELS, registry=REGISTRY
 )
 JOB_RESTARTS = Counter(
-    "lattice_job_restarts_total", "Job restarts, by cause.", ["job_id", "cause"], registry=REGISTRY
+    "lattice_job_restarts_total", "Job restarts, by cause.", [*JOB_LABELS, "cause"], registry=REGISTRY
 )
 JOB_TIME_TO_DETECT = Histogram(
     "lattice_job_time_to_detect_seconds",
     "Fault to detection.",
-    ["job_id"],
+    JOB_LABELS,
     buckets=_RECOVERY_BUCKETS,
     registry=REGISTRY,
 )
 JOB_TIME_TO_RECOVER = Histogram(
     "lattice_job_time_to_recover_seconds",
     "Detection to the first step after resume.",
-    ["job_id"],
+    JOB_LABELS,
     buckets=_RECOVERY_BUCKETS,
     registry=REGISTRY,
 )
 JOB_STEPS_LOST = Counter(
     "lattice_job_steps_lost_total",
     "Steps computed and then thrown away by a restore.",
-    ["job_id"],
+    JOB_LABELS,
     registry=REGISTRY,
 )
 JOB_GOODPUT = Gauge(
-    "lattice_job_goodput_ratio", "Useful step time over wall time since start.", ["job_id"], registry=REGISTRY
+    "lattice_job_goodput_ratio",
+    "Useful step time over the time since the first step (queue and start-up are their own parts).",
+    JOB_LABELS,
+    registry=REGISTRY,
+)
+JOB_GOODPUT_SECONDS = Gauge(
+    "lattice_job_goodput_seconds",
+    "Where the job's wall time since submission went, by part (useful, startup, queued, restarting, "
+    "lost, checkpoint); the parts add up to the wall time.",
+    [*JOB_LABELS, "part"],
+    registry=REGISTRY,
 )
 JOB_SDC = Counter(
-    "lattice_job_sdc_detections_total", "Silent data corruption detections.", ["job_id"], registry=REGISTRY
+    "lattice_job_sdc_detections_total", "Silent data corruption detections.", JOB_LABELS, registry=REGISTRY
 )
 
 # ---- fleet-wide fault counters (survive the job) ---------------------------------------------
@@ -114,34 +133,60 @@ NODES_QUARANTINED = Gauge("lattice_nodes_quarantined", "Nodes in quarantine.", r
 PER_JOB_METRICS = (
     JOB_STEP,
     JOB_LOSS,
+    JOB_VAL_LOSS,
     JOB_TOKENS_PER_S,
     JOB_MFU,
     JOB_MFU_PREDICTED,
     JOB_STEP_TIME,
     JOB_CHECKPOINT_SECONDS,
     JOB_CHECKPOINT_BYTES,
+    JOB_RESTARTS,
     JOB_TIME_TO_DETECT,
     JOB_TIME_TO_RECOVER,
     JOB_STEPS_LOST,
     JOB_GOODPUT,
+    JOB_GOODPUT_SECONDS,
     JOB_SDC,
 )
+# Restart causes (the failure kinds and "unknown"): each job's restart series, and the fleet's, start at
+# 0 for every cause, so that increase() counts the first restart.
+RESTART_CAUSES = (*(kind.value for kind in FailureKind), "unknown")
+for _cause in RESTART_CAUSES:
+    RESTARTS_BY_CAUSE.labels(_cause)
+
+_JOB_NAMES: dict[str, tuple[str, str]] = {}
+
+
+def name_job(job_id: str, job_name: str, tenant: str) -> None:
+    """Remember a job's name and tenant for its series (the scheduler calls it on every snapshot)."""
+    if _JOB_NAMES.get(job_id) != (job_name, tenant):
+        forget_job(job_id)  # series made before the name was known would be duplicates
+        _JOB_NAMES[job_id] = (job_name, tenant)
+        for cause in RESTART_CAUSES:
+            JOB_RESTARTS.labels(*job_labels(job_id), cause)
+
+
+def job_labels(job_id: str) -> tuple[str, str, str]:
+    """The label values of a job's series: (job_id, job_name, tenant); name and tenant empty for a
+    job the scheduler has not named."""
+    return (job_id, *_JOB_NAMES.get(job_id, ("", "")))
 
 
 def forget_job(job_id: str) -> None:
     """Drop every per-job series of a job that ended, so label cardinality stays bounded."""
+    _JOB_NAMES.pop(job_id, None)
     for metric in PER_JOB_METRICS:
-        try:
-            metric.remove(job_id)
-        except KeyError:
-            pass
-    for cause in list(_restart_causes(job_id)):
-        JOB_RESTARTS.remove(job_id, cause)
+        for values in _series_of(metric, job_id):
+            try:
+                metric.remove(*values)
+            except KeyError:
+                pass
 
 
-def _restart_causes(job_id: str) -> set[str]:
-    return {sample.labels["cause"] for family in JOB_RESTARTS.collect() for sample in family.samples
-            if sample.labels.get("job_id") == job_id}
+def _series_of(metric: Gauge | Counter | Histogram, job_id: str) -> set[tuple[str, ...]]:
+    names = metric._labelnames  # noqa: SLF001 - prometheus_client has no public listing of a metric's labels
+    return {tuple(sample.labels[n] for n in names) for family in metric.collect() for sample in family.samples
+            if sample.labels.get("job_id") == job_id and all(n in sample.labels for n in names)}
 
 
 def metric_names() -> set[str]:

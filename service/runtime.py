@@ -71,12 +71,21 @@ class Runtime:
         from sqlalchemy.exc import SQLAlchemyError
 
         from service.api.app import create_app
+        from service.api.data_root import DataRootError, check_data_root
         from service.scheduler.loop import Scheduler
+        from service.statefiles import secure_home
         from service.store.db import make_session_factory
         from service.store.prepare import prepare_database
 
         s = self.settings
-        s.home.mkdir(parents=True, exist_ok=True)
+        try:
+            secure_home(s)  # 0700 folders, 0600 files: the database and the token file are private
+        except OSError as e:
+            raise ServiceStartError(f"cannot prepare the Lattice home {s.home}: {e.strerror or e}") from e
+        try:
+            check_data_root(s)  # before Ray or the database: a data root that exposes our state is fatal
+        except DataRootError as e:
+            raise ServiceStartError(str(e)) from e
         try:
             self.engine, self.admin_token = prepare_database(s, bootstrap=True)
         except SQLAlchemyError as e:

@@ -44,6 +44,14 @@ class Settings(BaseSettings):
         None,
         description="Where job checkpoints go; unset = <home>/checkpoints. Shared storage in production.",
     )
+    rank_log_max_bytes: int = Field(
+        10 * 2**20, ge=4096, le=2**34,
+        description="Each rank's log file per attempt "
+        "(<checkpoint_root>/<job>/logs/attempt-<k>/rank-<r>.log) rotates at this size.",
+    )
+    rank_log_backups: int = Field(
+        2, ge=0, le=20, description="Rotated files kept beside each rank's log (older output is dropped).",
+    )
     host: str = Field("127.0.0.1", description="Interface `lattice serve` binds to.")
     port: int = Field(8000, ge=1, le=65535, description="Port `lattice serve` listens on.")
     auth_enabled: bool = Field(
@@ -58,6 +66,16 @@ class Settings(BaseSettings):
         None, description="CLI: URL of the Lattice server; unset = <home>/server, then http://<host>:<port>."
     )
     token: str | None = Field(None, description="CLI: bearer token; unset = the token file.")
+    metrics_auth: bool = Field(
+        False,
+        description="/metrics needs `Authorization: Bearer <token>`: an admin token or the scrape token "
+        "of LATTICE_METRICS_TOKEN_FILE (false = open, for the embedded mode on loopback).",
+    )
+    metrics_token_file: Path | None = Field(
+        None,
+        description="File holding the token Prometheus sends to /metrics (read on every scrape, so it "
+        "can be rotated); unset = only admin tokens may scrape when LATTICE_METRICS_AUTH is true.",
+    )
     migrate_on_start: bool = Field(
         True, description="`lattice serve` runs the database migrations (under a lock) before serving."
     )
@@ -71,6 +89,29 @@ class Settings(BaseSettings):
         1.0, gt=0, description="Period of the scheduler/reconciler loop when nothing wakes it earlier."
     )
     log_level: str = Field("info", description="Log level of the service (debug, info, warning, error).")
+    data_root: Path | None = Field(
+        None,
+        description="Folder that holds the token files jobs may read (`data.path` is resolved inside it; "
+        "created 0700 if missing); unset = <home>/data. Must not contain the service's own state.",
+    )
+    max_body_bytes: int = Field(
+        1 << 20, ge=1024, description="Largest request body, checked before authentication (413 above)."
+    )
+    max_user_priority: int = Field(
+        100, ge=-1000, le=1000, description="Highest job priority a non-admin may set, unless the tenant's "
+        "own cap (tenants.max_priority) says otherwise; admins may set any priority.",
+    )
+    max_inflight_requests: int = Field(
+        64, ge=0, description="Requests the API holds at once (running or waiting for a thread); past it "
+        "503 with Retry-After at once. 0 = no bound.",
+    )
+    rate_limit_per_s: float = Field(
+        100.0, ge=0, description="Requests per second per token (per client address without one); "
+        "over it 429 with Retry-After. 0 = off.",
+    )
+    rate_limit_burst: int = Field(
+        200, ge=1, description="Requests a token may send at once before the rate applies."
+    )
 
     @model_validator(mode="after")
     def _resolve_paths(self) -> Settings:
@@ -80,6 +121,8 @@ class Settings(BaseSettings):
             self.checkpoint_root = self.home / "checkpoints"
         if self.token_file is None:
             self.token_file = self.home / "token"
+        if self.data_root is None:
+            self.data_root = self.home / "data"
         return self
 
     # Typed accessors (the validator above guarantees these are set).
@@ -92,6 +135,11 @@ class Settings(BaseSettings):
     def token_path(self) -> Path:
         assert self.token_file is not None
         return self.token_file
+
+    @property
+    def data_root_path(self) -> Path:
+        assert self.data_root is not None
+        return self.data_root
 
     @property
     def server_file(self) -> Path:

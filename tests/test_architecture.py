@@ -6,7 +6,8 @@
 - training never imports Ray, FastAPI or the web stack; workers never imports FastAPI;
   service never imports Ray (it talks to controllers through `workers.client`);
 - the planner and `training.config` import neither torch nor Ray;
-- files and functions stay short enough to read in one sitting.
+- files and functions stay short enough to read in one sitting;
+- `training/` keeps at most four modules at its top; the rest lives in packages by concern.
 """
 
 from __future__ import annotations
@@ -168,3 +169,8 @@ def test_files_and_functions_are_short() -> None:
                 if length > MAX_FUNCTION_LINES:
                     long_functions.append(f"{module}.{node.name}: {length} lines")
     assert long_files == [] and long_functions == []
+
+
+def test_training_keeps_few_top_level_modules() -> None:
+    top = sorted(p.name for p in (ROOT / "training").glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 4, top

@@ -45,6 +45,10 @@ class TrainHooks:
     def on_step(self, info: StepInfo) -> Action | None:
         return None
 
+    def on_validation(self, step: int, loss: float) -> None:
+        """The held-out loss after `step` (data.validation; the same on every rank)."""
+        return None
+
     def on_restore(self, step: int | None) -> None:
         """Training starts from checkpoint `step` (None: from scratch)."""
         return None

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
     args = parser.parse_args(argv)
 
-    from training.data import DataError
+    from training.data.sources import DataError
     from training.parallel.dist import init_from_env, shutdown
     from training.train import StepInfo, TrainHooks, train
 

@@ -41,7 +41,8 @@ from training.checkpoint.checkpointer import Checkpointer, CheckpointInfo
 from training.config.arithmetic import mfu, model_flops_per_token
 from training.config.run import RunConfig
 from training.config.validate import check_layout_for_model
-from training.data import make_data_source
+from training.data.sources import make_data_source
+from training.data.validation import evaluate, validation_source
 from training.hooks import Action, StepInfo, TrainHooks, TrainResult
 from training.integrity.attribution import LocalGradCheck, StepSnapshot
 from training.integrity.detectors import IntegrityError, LossSpikeDetector, check_finite
@@ -89,8 +90,13 @@ class Trainer:
             self.modules = [parallelize(model, layout, self.dims, cfg, device=ctx.device)]
         self.parts: list[Transformer] = [_as_transformer(unwrap(m)) for m in self.modules]
         # One optimizer per model part (checkpoints pair each part with its optimizer).
+        if cfg.init_from is not None:  # pretrained weights; a checkpoint restored later wins
+            from training.interop.load import load_init_weights
+
+            load_init_weights(list(self.parts), cfg.init_from, cfg.model, layout.ep)
         self.optimizers = [build_optimizer([p], layout, cfg, self.dp_group) for p in self.parts]
         self.data = make_data_source(cfg.data, cfg.model, cfg.global_batch)
+        self.val_source = validation_source(cfg, self.data)  # None without data.validation
         self.spikes = LossSpikeDetector(cfg.integrity.loss_spike_factor)
         audit = self.hooks.audit
         self.local_check = (LocalGradCheck(audit.grad_spike_factor, audit.grad_warmup)
@@ -134,7 +140,9 @@ class Trainer:
         if previous is not None:
             done.append(previous)
         info = self.checkpointer.save(c.dir, self.step, list(self.parts), self.optimizers,
-                                      {"data": self.data.state_dict()}, keep=c.keep, async_save=c.async_save)
+                                      {"data": self.data.state_dict()}, keep=c.keep, async_save=c.async_save,
+                                      describe={"model.json": self.cfg.model.to_dict(),
+                                                "layout.json": self.cfg.layout.to_dict()})
         if info.committed:
             done.append(info)
         return done
@@ -310,6 +318,9 @@ def _run(trainer: Trainer, hooks: TrainHooks, resume: bool) -> TrainResult:
         utilisation = mfu(tps, trainer.flops_per_token, cfg.layout.world_size, trainer.peak)
         action = hooks.on_step(StepInfo(step, loss, tps, elapsed, utilisation, positions)) or Action.CONTINUE
         want_ckpt, want_stop = _agree_on_step(trainer, hooks, step, action, error)
+        val = cfg.data.validation
+        if val is not None and trainer.val_source is not None and step % val.every_steps == 0:
+            hooks.on_validation(step, evaluate(trainer, trainer.val_source, val.batches))
         every = cfg.checkpoint.every_steps
         if cfg.checkpoint.dir and (want_ckpt or (every and step % every == 0)):
             checkpoint()

@@ -4,7 +4,10 @@ Embedded (`lattice serve` with no Ray address, the demo, the tests): one head no
 (it hosts the driver and the job controllers) plus `racks x nodes_per_rack` simulated nodes on
 this machine, each a real raylet with `gpus_per_node` virtual GPUs (Ray's "GPU" resource on CPU)
 and the labels a production node gets from `ray start --labels`: {"rack": "r1", "node_name":
-"r1-n1"}. Ray's session files go under `temp_dir` (default `.lattice/ray`).
+"r1-n1"}. Ray's session files go under `temp_dir` (default `.lattice/ray`). Every process of the
+embedded cluster (GCS, raylets, object managers, workers, dashboard and runtime-env agents, metrics
+export) binds to `host`, loopback by default: Ray has no authentication of its own, and anyone who
+reaches its ports can run code as this user (docs/security.md).
 
 Production: `connect(address)` joins a cluster whose nodes were started with, e.g.,
 `ray start --address=<head>:6379 --labels='{"rack": "r1"}'`.
@@ -12,10 +15,13 @@ Production: `connect(address)` joins a cluster whose nodes were started with, e.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +41,9 @@ HEALTH_CHECK_CONFIG = {
 }
 
 
+LOOPBACK = "127.0.0.1"
+
+
 class ClusterError(RuntimeError):
     pass
 
@@ -50,6 +59,7 @@ class EmbeddedClusterConfig:
     temp_dir: str = ".lattice/ray"
     metrics_export_port: int | None = None  # the head node's Prometheus endpoint; None = Ray picks
     namespace: str = NAMESPACE
+    host: str = LOOPBACK  # the node IP address every Ray process of the cluster binds to
 
     def __post_init__(self) -> None:
         for name in ("racks", "nodes_per_rack", "gpus_per_node", "cpus_per_node"):
@@ -161,6 +171,7 @@ def _node_args(cfg: EmbeddedClusterConfig, rack: str, name: str, gpus: int | Non
         "num_gpus": cfg.gpus_per_node if gpus is None else gpus,
         "object_store_memory": cfg.object_store_mb * MiB,
         "labels": {"rack": rack, "node_name": name},
+        "node_ip_address": cfg.host,
     }
 
 
@@ -175,18 +186,20 @@ def start_embedded_cluster(
     object_store_mb: int = 100,
     metrics_export_port: int | None = None,
     namespace: str = NAMESPACE,
+    host: str = LOOPBACK,
     connect_driver: bool = True,
     timeout_s: float = 120.0,
 ) -> EmbeddedCluster:
     """Start the head and the simulated nodes (in parallel), wait for all of them, and (by
-    default) connect this process as the driver in `namespace`."""
+    default) connect this process as the driver in `namespace`. Every Ray process binds to `host`
+    (loopback unless a caller really wants the simulated cluster reachable from elsewhere)."""
     from ray._common.utils import get_default_ray_temp_dir
     from ray.cluster_utils import Cluster
 
     cfg = EmbeddedClusterConfig(
         racks=racks, nodes_per_rack=nodes_per_rack, gpus_per_node=gpus_per_node, cpus_per_node=cpus_per_node,
         head_cpus=head_cpus, object_store_mb=object_store_mb, temp_dir=temp_dir,
-        metrics_export_port=metrics_export_port, namespace=namespace,
+        metrics_export_port=metrics_export_port, namespace=namespace, host=host,
     )
     root = os.path.abspath(temp_dir)  # Ray wants an absolute path
     os.makedirs(root, exist_ok=True)
@@ -198,6 +211,8 @@ def start_embedded_cluster(
         "num_gpus": 0,
         "object_store_memory": object_store_mb * MiB,
         "include_dashboard": False,
+        "dashboard_host": host,
+        "node_ip_address": host,
         "temp_dir": root,
         "labels": {"lattice.role": "head"},
         "_system_config": dict(HEALTH_CHECK_CONFIG),
@@ -223,12 +238,40 @@ def start_embedded_cluster(
 
 
 def connect(address: str, namespace: str = NAMESPACE) -> None:
-    """Join an existing cluster as a driver (no-op if already connected)."""
+    """Join an existing cluster as a driver (no-op if already connected). A loopback address (the
+    embedded cluster's) keeps this driver on loopback too."""
     import ray
 
     if ray.is_initialized():
         return
+    host = address.rsplit(":", 1)[0].strip("[]")
     try:
-        ray.init(address=address, namespace=namespace, log_to_driver=False)
+        if _is_loopback(host):
+            with _keep_loopback():
+                ray.init(address=address, namespace=namespace, log_to_driver=False, _node_ip_address=host)
+        else:
+            ray.init(address=address, namespace=namespace, log_to_driver=False)
     except Exception as e:
         raise ClusterError(f"could not connect to the Ray cluster at {address!r}: {e}") from e
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+@contextmanager
+def _keep_loopback() -> Iterator[None]:
+    """While a driver joins a cluster bound to loopback: ray.init swaps a loopback address (of the
+    cluster and of the driver) for this machine's network address, so that other machines could
+    reach it; nothing of a loopback cluster listens there."""
+    from ray._private import services
+
+    original = services.resolve_ip_for_localhost
+    services.resolve_ip_for_localhost = lambda host: host
+    try:
+        yield
+    finally:
+        services.resolve_ip_for_localhost = original

@@ -54,11 +54,13 @@ class EventKind(enum.StrEnum):
     RESUMED = "resumed"  # the first step after a recovery
     CANCELLED = "cancelled"
     ERROR = "error"
+    JOB_ERROR = "job_error"  # the failure is the job's own (bad spec or data, reproduced): no node blamed
     # ---- reported by ranks, and by the controller too -------------------------------------------
     STARTED = "started"  # rank: its process group is up; controller: the ranks of an attempt started
     FINISHED = "finished"
     INTEGRITY_ERROR = "integrity_error"
     FAULT_INJECTED = "fault_injected"
+    VALIDATION = "validation"  # the held-out loss after a step (data.validation): step, loss
     # ---- reported by ranks only -----------------------------------------------------------------
     STEP = "step"
     COLLECTIVE = "collective"  # the rank entered the step's control collective (or a checkpoint's)

@@ -1,7 +1,8 @@
 """What the controller remembers about faults, as pure bookkeeping without Ray:
 
-- `NodeLedger`: faults per node; suspect after a fault, quarantined after a confirmed SDC or
-  after `quarantine_after` faults, dead when the node left the cluster.
+- `NodeLedger`: faults per node and the jobs they came from; suspect after a fault, quarantined
+  after a confirmed SDC, or after `quarantine_after` faults from at least `min_jobs` different
+  jobs (one job's faults never quarantine a node under the defaults), dead when the node left.
 - `CheckpointLedger`: committed checkpoints, the steps whose integrity checks passed (verified),
   the ones whose manifest did not verify; only verified, undamaged checkpoints are restored. It
   is kept beside the checkpoints (`lattice-verified.json`) so a new controller knows it too.
@@ -31,23 +32,33 @@ LEDGER_FILE = "lattice-verified.json"
 @dataclass
 class NodeLedger:
     quarantine_after: int = 3
+    min_jobs: int = 2  # a count-based quarantine needs faults from this many different jobs
     faults: dict[str, int] = field(default_factory=dict)
     health: dict[str, str] = field(default_factory=dict)  # node -> suspect | quarantined | dead
+    fault_jobs: dict[str, set[str]] = field(default_factory=dict)  # node -> jobs whose faults counted
 
-    def record(self, node: str, *, quarantine: bool = False, dead: bool = False) -> str | None:
-        """Count a fault on `node`; returns its new health if it changed."""
+    def record(self, node: str, *, job: str = "", quarantine: bool = False, dead: bool = False) -> str | None:
+        """Count a fault of `job` on `node`; returns its new health if it changed. `quarantine`:
+        a confirmed hardware signal (an SDC settled by a vote or a referee)."""
         self.faults[node] = self.faults.get(node, 0) + 1
+        jobs = self.fault_jobs.setdefault(node, set())
+        jobs.add(job)
         old = self.health.get(node, "ready")
         if dead:
             new = "dead"
         elif old in ("quarantined", "dead"):
             new = old
-        elif quarantine or self.faults[node] >= self.quarantine_after:
+        elif quarantine or self.over_threshold(node):
             new = "quarantined"
         else:
             new = "suspect"
         self.health[node] = new
         return new if new != old else None
+
+    def over_threshold(self, node: str) -> bool:
+        """`quarantine_after` faults or more, from at least `min_jobs` different jobs."""
+        jobs = self.fault_jobs.get(node, set())
+        return self.faults.get(node, 0) >= self.quarantine_after and len(jobs) >= self.min_jobs
 
     def in_state(self, *states: str) -> set[str]:
         return {n for n, h in self.health.items() if h in states}

@@ -7,8 +7,9 @@ The controller's state machine detects *what* happened; a policy decides *what t
 - `ScalingPolicy.on_unplaceable(...)` -> `ScalingDecision`: wait for capacity, re-plan the
   layout for what is left, or fail.
 
-Fault tolerance plugs in here too: attribution-aware failure policies (quarantine a node
-after a confirmed SDC or N faults, fast-path replacement of only the dead ranks) and a
+Fault tolerance plugs in here too: class-aware failure policies (a job error fails at once
+and blames nobody, an unknown failure restarts blaming nobody, an infrastructure fault restarts
+and counts against its nodes; a confirmed SDC quarantines) and a
 replanning scaling policy backed by the service's planner, injected as a callable so that
 `workers` never imports `service`.
 """
@@ -22,6 +23,14 @@ from dataclasses import dataclass, field
 
 from training.config.layout import Layout
 from workers.topology import Topology
+
+
+class FailureClass(enum.StrEnum):
+    """What a failure says about its cause (workers.controller.classify decides it)."""
+
+    JOB_ERROR = "job_error"  # bad spec or data, an exception or non-finite loss that reproduces
+    INFRASTRUCTURE = "infrastructure"  # death, hang, straggler, collective timeout, SDC: blame the node
+    UNKNOWN = "unknown"  # not known yet: restart within the budget and blame nobody
 
 
 class FailureKind(enum.StrEnum):
@@ -43,11 +52,24 @@ class Failure:
     nodes: tuple[str, ...] = ()  # node names of the ranks at fault
     step: int | None = None
     evidence: dict = field(default_factory=dict)
+    classification: FailureClass | None = None  # None: the kind's default (`failure_class`)
+    why: str = ""  # why it was classified so
+
+    @property
+    def failure_class(self) -> FailureClass:
+        if self.classification is not None:
+            return self.classification
+        return FailureClass.UNKNOWN if self.kind == FailureKind.RANK_ERROR else FailureClass.INFRASTRUCTURE
+
+    @property
+    def blames_nodes(self) -> bool:
+        return self.failure_class == FailureClass.INFRASTRUCTURE
 
     def to_dict(self) -> dict:
         return {
             "kind": str(self.kind), "message": self.message, "ranks": list(self.ranks),
             "nodes": list(self.nodes), "step": self.step, "evidence": dict(self.evidence),
+            "classification": str(self.failure_class), "classification_reason": self.why,
         }
 
 
@@ -73,7 +95,9 @@ class FailurePolicy(ABC):
 
 @dataclass
 class RestartPolicy(FailurePolicy):
-    """Restart from the last checkpoint until `max_restarts` is spent. The nodes of the
+    """By the failure's class: a job error fails the job at once (no restart spent, no node
+    blamed); an unknown failure restarts within the budget and blames nobody; an infrastructure
+    fault restarts from the last checkpoint until `max_restarts` is spent, and the nodes of the
     ranks at fault become suspect (placed last); with `avoid_failed_nodes` the restart is
     also kept off them when capacity allows. A confirmed SDC (the engine named the culprit
     ranks, not every rank) quarantines their nodes (`quarantine_on_sdc`)."""
@@ -83,12 +107,18 @@ class RestartPolicy(FailurePolicy):
     quarantine_on_sdc: bool = True
 
     def decide(self, failure: Failure, restarts: int) -> FailureDecision:
+        cls = failure.failure_class
+        if cls == FailureClass.JOB_ERROR:
+            return FailureDecision(FailureAction.RAISE, failure.why or f"job error: {failure.message}")
         if restarts >= self.max_restarts:
             return FailureDecision(
                 FailureAction.RAISE,
                 f"restart budget spent ({restarts} of max_restarts={self.max_restarts}); "
                 f"last failure: {failure.kind}: {failure.message}",
             )
+        if cls == FailureClass.UNKNOWN:
+            return FailureDecision(FailureAction.RETRY, f"restart {restarts + 1} of {self.max_restarts} "
+                                   f"after {failure.kind} (unknown cause: no node blamed)")
         culprits = failure.nodes if failure.kind != FailureKind.STARTUP else ()
         confirmed = failure.kind == FailureKind.SDC and bool(failure.ranks) and _names_a_culprit(failure)
         quarantine = culprits if confirmed and self.quarantine_on_sdc else ()

@@ -31,14 +31,27 @@ from typing import Any
 
 from workers.engine_imports import import_callable, warm_imports
 from workers.events import CheckpointReport, CollectiveReport, EventKind, FaultReport, plain, rank_event
+from workers.logs import LogTarget, capture_rank_output
 from workers.names import NAMESPACE, controller_name
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TRAIN_FN = "training.train:train"
 MAX_BUFFERED_EVENTS = 10_000
+MAX_TRACEBACK_CHARS = 8192  # the end of a failed rank's traceback that travels to the job's status
 RANK_FAULT_KINDS = ("kill_rank", "hang_rank", "slow_rank", "bitflip", "kill_node", "corrupt_checkpoint")
 ACTIONS = ("checkpoint", "stop", "checkpoint_and_stop")
+
+
+def exception_report(e: BaseException, step: int | None) -> dict[str, Any]:
+    """What the controller classifies a rank's exception by (workers.controller.classify): its
+    message, type names (the class and its bases), the file that raised it, the step, and the
+    formatted traceback (its last MAX_TRACEBACK_CHARS)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return {"error": f"{type(e).__name__}: {e}"[:2000],
+            "error_types": [c.__name__ for c in type(e).__mro__ if c not in (BaseException, object)],
+            "origin": frames[-1].filename if frames else None, "step": step,
+            "traceback": "".join(traceback.format_exception(e))[-MAX_TRACEBACK_CHARS:]}
 
 
 def make_hooks(actor: RankActor) -> Any:
@@ -56,6 +69,9 @@ def make_hooks(actor: RankActor) -> Any:
 
         def on_restore(self, step: int | None) -> None:
             actor.record(EventKind.RESTORED, {"step": step})
+
+        def on_validation(self, step: int, loss: float) -> None:
+            actor.record(EventKind.VALIDATION, {"step": step, "loss": loss})
 
         def on_collective(self, step: int, name: str) -> None:
             actor.record(EventKind.COLLECTIVE, CollectiveReport(step=step, name=name))
@@ -115,6 +131,7 @@ class RankActor:
         self.restore_steps: set[int] | None = None  # the checkpoints this attempt may restore
         self._controller_handle: Any = None
         self._attempts = 0
+        self._log_target: LogTarget | None = None
         warm_imports()  # a replacement rank imports the engine while its peers reset
 
     # ---- where am I -------------------------------------------------------------------------
@@ -161,9 +178,11 @@ class RankActor:
         flops_per_token: float | None = None,
         rendezvous_timeout_s: float = 120.0,
         restore_steps: list[int] | None = None,
+        log_target: LogTarget | None = None,
     ) -> None:
         """Train in a background thread. `restore_steps`: the checkpoints it may resume from
-        (the verified ones; None = any valid one). May run again after `reset()`."""
+        (the verified ones; None = any valid one); `log_target`: the attempt's log folder (this
+        rank's output goes to its file there). May run again after `reset()`."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError(f"rank {self.rank} is still training")
         self.restore_steps = None if restore_steps is None else set(restore_steps)
@@ -175,13 +194,18 @@ class RankActor:
             self._stepped = False
             self._step = None
             self._last_progress = time.monotonic()
+        self._log_target = log_target
         self._thread = threading.Thread(
-            target=self._run,
+            target=self._run_captured,
             args=(master_addr, master_port, run_cfg, resume, train_fn, flops_per_token, rendezvous_timeout_s),
             name=f"lattice-rank-{self.rank}",
             daemon=True,
         )
         self._thread.start()
+
+    def _run_captured(self, *args: Any) -> None:
+        with capture_rank_output(self._log_target, self.rank):
+            self._run(*args)
 
     def _run(
         self,
@@ -220,13 +244,14 @@ class RankActor:
                 self._result = value if isinstance(value, dict) else {"value": value}
                 self._state = "finished"
             self.record(EventKind.FINISHED, {"final_step": self._result.get("final_step")})
-        except BaseException as e:  # noqa: BLE001 - a rank's failure is reported, not raised
-            tb = traceback.format_exc()
-            log.warning("rank %d failed: %s", self.rank, e)
+        except BaseException as e:  # a rank's failure is reported (and logged), not raised
+            log.warning("rank %d failed: %s", self.rank, e, exc_info=e)  # the traceback goes to its log
+            report = exception_report(e, self._step)
+            # The report first: a poll that sees the rank failed has its traceback too.
+            self.record(EventKind.FAILED, report)
             with self._lock:
-                self._error = f"{type(e).__name__}: {e}"
+                self._error = report["error"]
                 self._state = "failed"
-            self.record(EventKind.FAILED, {"error": self._error, "traceback": tb[-4000:]})
 
     def record(self, kind: EventKind, data: Mapping[str, Any]) -> None:
         """Buffer an event for the controller's next poll (it also counts as progress)."""

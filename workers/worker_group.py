@@ -19,6 +19,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from training.config.run import RunConfig
+from workers.logs import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, LogTarget, job_logs_dir, new_attempt
 from workers.names import placement_group_name
 from workers.placement import Placement, PlacementError, RankPlacement, release, reserve
 from workers.rank import DEFAULT_TRAIN_FN, RankActor
@@ -138,8 +139,11 @@ class RayWorkerGroup(WorkerGroup):
         flops_per_token: float | None = None,
         env_vars: Mapping[str, str] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        log_max_bytes: int = DEFAULT_MAX_BYTES,
+        log_backups: int = DEFAULT_BACKUPS,
     ) -> None:
         self.job_id = job_id
+        self.log_max_bytes, self.log_backups = log_max_bytes, log_backups
         self.cpus_per_rank = cpus_per_rank
         self.reserve_timeout_s = reserve_timeout_s
         self.start_timeout_s = start_timeout_s
@@ -214,6 +218,7 @@ class RayWorkerGroup(WorkerGroup):
         if not self._actors:
             raise WorkerGroupStartupError("launch() before spawn()")
         steps = None if restore_steps is None else sorted(restore_steps)
+        logs = self._log_target(run_cfg)
         try:
             addr, port = ray.get(self._actors[0].rendezvous.remote(), timeout=self.start_timeout_s)
             ray.get(
@@ -221,7 +226,7 @@ class RayWorkerGroup(WorkerGroup):
                     a.start.remote(
                         addr, port, run_cfg, resume=resume, train_fn=self.train_fn,
                         flops_per_token=self.flops_per_token, rendezvous_timeout_s=self.rendezvous_timeout_s,
-                        restore_steps=steps,
+                        restore_steps=steps, log_target=logs,
                     )
                     for a in self._actors
                 ],
@@ -229,6 +234,18 @@ class RayWorkerGroup(WorkerGroup):
             )
         except (RayActorError, GetTimeoutError, ActorUnavailableError) as e:
             raise WorkerGroupStartupError(f"rendezvous/launch failed: {e}") from e
+
+    def _log_target(self, run_cfg: RunConfig) -> LogTarget | None:
+        """A new attempt folder in the job's logs (workers.logs), or None without a job folder."""
+        if not run_cfg.checkpoint.dir:
+            return None
+        logs_dir = job_logs_dir(run_cfg.checkpoint.dir)
+        try:
+            attempt = new_attempt(logs_dir)
+        except OSError as e:  # the ranks train without their logs rather than not at all
+            log.warning("job %s: cannot create its log folder under %s: %s", self.job_id, logs_dir, e)
+            return None
+        return LogTarget(str(logs_dir), attempt, self.log_max_bytes, self.log_backups)
 
     def _arm(self, faults: Sequence[Mapping[str, Any]], ranks: Collection[int] | None = None) -> None:
         for f in faults:
@@ -334,7 +351,9 @@ class RayWorkerGroup(WorkerGroup):
             raise ValueError(f"fault rank must be in [0, {len(self._actors)}), got {rank}")
         try:
             ref = self._actors[rank].schedule_fault.remote(kind, at_step, **params)
-            ray.get(ref, timeout=self.poll_timeout_s)
+            # Arming is part of a rank's start-up (a bit flip imports torch in a fresh actor): the
+            # start-up timeout applies, not the poll timeout (a loaded node took over 10 s).
+            ray.get(ref, timeout=self.start_timeout_s)
         except (RayActorError, GetTimeoutError, ActorUnavailableError) as e:
             raise WorkerGroupError(f"could not arm {kind} on rank {rank}: {e}") from e
 

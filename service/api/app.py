@@ -12,10 +12,13 @@ from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 from sqlalchemy import Engine
 
+from service.api.data_root import check_data_root
 from service.api.deps import SchedulerHook, get_principal
+from service.api.limits import BodyLimitMiddleware
 from service.api.middleware import MetricsMiddleware
+from service.api.overload import LoadShedMiddleware, RateLimitMiddleware
 from service.api.problems import add_problem_schemas, install_problem_handlers, problem_responses
-from service.api.routes import cluster, faults, health, jobs, plans, tokens
+from service.api.routes import cluster, exports, faults, health, jobs, logs, plans, tenants, tokens
 from service.settings import Settings, get_settings
 from service.store.db import make_engine, make_session_factory
 
@@ -38,13 +41,20 @@ def create_app(
     app.state.session_factory = make_session_factory(engine)
     app.state.read_session_factory = make_session_factory(engine, read_only=True)
     app.state.scheduler = scheduler
+    check_data_root(settings)  # refuse to start with a data root that exposes the service's state
     install_problem_handlers(app)
     app.add_middleware(MetricsMiddleware)
+    app.add_middleware(RateLimitMiddleware, rate=settings.rate_limit_per_s, burst=settings.rate_limit_burst)
+    app.add_middleware(LoadShedMiddleware, max_inflight=settings.max_inflight_requests)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)  # outermost: before auth
     app.include_router(health.router)
     app.include_router(jobs.router)
+    app.include_router(logs.router)
+    app.include_router(exports.router)
     # The planner's router carries no auth of its own: any valid token may plan.
     app.include_router(plans.router, dependencies=[Depends(get_principal)], responses=problem_responses(401))
     app.include_router(tokens.router)
+    app.include_router(tenants.router)
     app.include_router(faults.router)
     app.include_router(cluster.router)
 

@@ -9,7 +9,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from service.auth import ANONYMOUS_ADMIN, Principal, authenticate
+from service.auth import ANONYMOUS_ADMIN, Principal, authenticate_request
 from service.errors import Forbidden, Unauthorized
 from service.settings import Settings
 
@@ -62,9 +62,14 @@ def get_principal(
         return ANONYMOUS_ADMIN
     if credentials is None or not credentials.credentials:
         raise Unauthorized("missing bearer token: send the header 'Authorization: Bearer <token>'")
-    # Its own short read transaction, over before the route runs (no lock held across threads).
-    with request.app.state.read_session_factory() as session:
-        return authenticate(session, credentials.credentials)
+    return principal_for_token(request, credentials.credentials)
+
+
+def principal_for_token(request: Request, token: str) -> Principal:
+    # Its own short transactions, over before the route runs (no lock held across threads); the
+    # write lock only when the token's last use needs recording (at most once a minute).
+    state = request.app.state
+    return authenticate_request(state.read_session_factory, state.session_factory, token)
 
 
 CurrentPrincipal = Annotated[Principal, Depends(get_principal)]

@@ -14,13 +14,23 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service import store
+from service.api.data_root import resolve_data_path
 from service.api.deps import SchedulerHook
+from service.api.weights import resolve_init_from, resolve_validation_path
 from service.auth import Principal
-from service.errors import ConcurrentUpdate, Conflict, IdempotencyConflict, InvalidRequest, JobNotFound
-from service.schemas import JobSpec
+from service.errors import (
+    ConcurrentUpdate,
+    Conflict,
+    Forbidden,
+    IdempotencyConflict,
+    InvalidRequest,
+    JobNotFound,
+    LatticeError,
+)
+from service.schemas import JobPublic, JobSpec
 from service.settings import Settings
 from service.store import tenants as tenant_store
-from service.store.models import Job, JobState
+from service.store.models import Job, JobState, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -29,25 +39,27 @@ _CANCEL_RETRIES = 5
 
 # ---- planning ------------------------------------------------------------------------------------
 def plan_job(spec: JobSpec, settings: Settings) -> dict[str, Any]:
-    """The Plan for a spec: searched (`parallelism: auto`) or evaluated (explicit layout).
+    """The Plan for a spec: searched (`parallelism: auto`), filled in (a partial layout) or
+    evaluated (a layout that runs as given), all by service.planner.plan_layout.
 
     The cluster is the one the settings describe (the embedded shape) unless the spec asks for
     a GPU count; the scheduler re-plans if the live cluster differs.
     """
-    from service.planner import ClusterSpec, PlannerError, TrainSpec, evaluate, plan
+    from service.planner import ClusterSpec, PlannerError, TrainSpec, layout_gpus, plan_layout
 
     try:
         model = spec.model_spec()
     except ValueError as e:
         raise InvalidRequest(str(e), errors=[{"field": "model.preset", "message": str(e)}]) from e
-    layout = spec.explicit_layout()
+    given = spec.layout_given()
     if spec.resources.gpus is not None:
         num_gpus = spec.resources.gpus
-    elif layout is not None:
-        num_gpus = layout.world_size
+    elif given is not None:
+        num_gpus = layout_gpus(model, given, spec.train.global_batch, settings.embedded_num_gpus)
     else:
         num_gpus = settings.embedded_num_gpus
-    field = "parallelism" if layout is not None else "resources"
+    field = "parallelism" if given is not None else "resources"
+    gpus_from = "resources.gpus" if spec.resources.gpus is not None else "the cluster's GPUs"
     try:
         cluster = ClusterSpec(
             gpu_type=spec.resources.gpu_type or settings.gpu_type,
@@ -58,9 +70,12 @@ def plan_job(spec: JobSpec, settings: Settings) -> dict[str, Any]:
         train = TrainSpec(
             global_batch=spec.train.global_batch, seq_len=model.seq_len, precision=spec.train.precision
         )
-        result = plan(model, train, cluster) if layout is None else evaluate(model, train, cluster, layout)
+        result = plan_layout(model, train, cluster, given, gpus_from=gpus_from)
     except (PlannerError, ValueError) as e:
-        raise InvalidRequest(f"no feasible plan: {e}", errors=[{"field": field, "message": str(e)}]) from e
+        message = str(e).replace("layout.", "parallelism.") if given is not None else str(e)
+        raise InvalidRequest(
+            f"no feasible plan: {field}: {message}", errors=[{"field": field, "message": message}]
+        ) from e
     return result.to_dict()
 
 
@@ -85,14 +100,32 @@ def submit_job(
         session.commit()  # end the (read) transaction before planning
         if replay is not None:
             return replay, False
+    check_submit_policy(session, principal, spec, settings)
     plan = plan_job(spec, settings)
+    check_plan_fits(spec, plan)
+    stored = spec.canonical()
+    if spec.data.kind == "tokens" and spec.data.path:  # the ranks open the resolved path, never the user's
+        dtype = getattr(spec.data, "dtype", "uint16")
+        stored["data"]["path"] = resolve_data_path(
+            settings, spec.data.path, seq_len=spec.model_spec().seq_len, dtype=dtype
+        )
+    validation = getattr(spec.data, "validation", None)
+    if validation is not None and validation.path is not None:
+        stored["data"]["validation"]["path"] = resolve_validation_path(
+            settings, validation.path, spec.model_spec().seq_len, spec.data.dtype
+        )
+    init_from = getattr(spec.model, "init_from", None)
+    if init_from is not None:  # inside the data root, and the tensors match the spec (torch-free)
+        stored["model"]["init_from"]["path"] = resolve_init_from(
+            settings, init_from.path, init_from.format, spec.model_spec()
+        )
     try:
         tenant_store.ensure_tenant(session, principal.tenant)
         job = store.create_job(
             session,
             tenant=principal.tenant,
             name=spec.name,
-            spec=spec.canonical(),
+            spec=stored,
             plan=plan,
             priority=spec.priority,
             total_steps=spec.train.steps,
@@ -101,6 +134,7 @@ def submit_job(
             tenant_store.add_idempotency_key(
                 session, tenant=principal.tenant, key=idempotency_key, request_hash=digest, job_id=job.id
             )
+        _check_servable(session, job)
         session.commit()
     except IntegrityError:
         session.rollback()
@@ -112,6 +146,64 @@ def submit_job(
             raise
         return replay, False
     return job, True
+
+
+def check_submit_policy(session: Session, principal: Principal, spec: JobSpec, settings: Settings) -> None:
+    """What only an admin may ask for: spec faults (and only with injection on), `allow_unfit`, and a
+    priority above the tenant's cap (tenants.max_priority, else LATTICE_MAX_USER_PRIORITY)."""
+    if spec.faults:
+        if not principal.is_admin:
+            raise _field_error(Forbidden, "faults", "injecting faults needs an admin token")
+        if not settings.fault_injection:
+            raise _field_error(
+                InvalidRequest, "faults",
+                "fault injection is off on this server; it acts on faults only when started with "
+                "LATTICE_FAULT_INJECTION=true (tests and demos only)",
+            )
+    if principal.is_admin:
+        return
+    if spec.allow_unfit:
+        raise _field_error(Forbidden, "allow_unfit", "only an admin may run a job whose plan does not fit")
+    tenant = session.get(Tenant, principal.tenant)
+    cap = tenant.max_priority if tenant is not None and tenant.max_priority is not None else None
+    cap = settings.max_user_priority if cap is None else cap
+    session.commit()  # end the read transaction before planning
+    if spec.priority > cap:
+        raise _field_error(
+            InvalidRequest, "priority",
+            f"must be at most {cap} for tenant {principal.tenant!r} (its priority cap), got {spec.priority}; "
+            "an admin may set a higher priority or raise the cap",
+        )
+
+
+def check_plan_fits(spec: JobSpec, plan: dict[str, Any]) -> None:
+    """A plan that does not fit in GPU memory is refused unless the (admin's) spec says allow_unfit."""
+    if plan.get("fits", True) or spec.allow_unfit:
+        return
+    reasons = [r for r in plan.get("reasons", []) if "not fit" in r] or list(plan.get("reasons", []))[:1]
+    reason = reasons[0] if reasons else "the plan needs more memory per GPU than the GPU has"
+    field = "parallelism" if spec.layout_given() is not None else "resources"
+    raise _field_error(
+        InvalidRequest, field,
+        f"the plan does not fit: {reason}; change the layout or resources "
+        "(an admin may set allow_unfit: true)",
+    )
+
+
+def _field_error(kind: type[LatticeError], field: str, message: str) -> LatticeError:
+    return kind(f"{field}: {message}", errors=[{"field": field, "message": message}])
+
+
+def _check_servable(session: Session, job: Job) -> None:
+    """Serialise the job as GET will, before the commit: a row that cannot be served is never stored."""
+    try:
+        JobPublic.from_row(job).model_dump_json()
+    except (ValueError, TypeError, RecursionError) as e:
+        session.rollback()
+        raise InvalidRequest(
+            "the job cannot be stored: its spec or plan would not serialise back",
+            errors=[{"field": "body", "message": "the job would not serialise back"}],
+        ) from e
 
 
 def _replay(session: Session, principal: Principal, key: str, digest: str) -> Job | None:

@@ -15,6 +15,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.errors import LatticeError
@@ -23,6 +25,7 @@ from service.schemas import FieldError, JobSpec, Problem
 log = logging.getLogger(__name__)
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
+DB_RETRY_AFTER_S = 5  # Retry-After of a 503 for an unavailable database
 
 # Union branch tags the schemas add to error locations; they are not fields the user wrote.
 _UNION_TAGS = {
@@ -146,12 +149,31 @@ def install_problem_handlers(app: FastAPI) -> None:
             exc.status_code, title, detail, instance=request.url.path, headers=getattr(exc, "headers", None)
         )
 
+    @app.exception_handler(DBAPIError)
+    @app.exception_handler(SQLAlchemyTimeout)
+    async def _database(request: Request, exc: Exception) -> ProblemResponse:
+        if not database_unavailable(exc):
+            return await _unexpected(request, exc)
+        log.warning("database unavailable on %s %s: %s", request.method, request.url.path, type(exc).__name__)
+        return problem_response(
+            503, "Service unavailable",
+            f"the database is unavailable; retry in {DB_RETRY_AFTER_S} s",
+            instance=request.url.path, headers={"Retry-After": str(DB_RETRY_AFTER_S)},
+        )
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> ProblemResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return problem_response(
             500, "Internal error", "the server failed; see its log", instance=request.url.path
         )
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """A lost or refused connection, a pool timeout, a locked or unreachable database: worth a retry."""
+    if isinstance(exc, SQLAlchemyTimeout | OperationalError | InterfaceError):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
 
 
 PROBLEM_CONTENT = {PROBLEM_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}}
@@ -165,7 +187,8 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         404: "No such job (or not visible to this tenant).",
         409: "Conflict with the current state (illegal transition, reused idempotency key).",
         422: "Invalid input; `errors` names each field and what is allowed.",
-        503: "Not ready.",
+        413: "The request body is larger than LATTICE_MAX_BODY_BYTES.",
+        503: "Not ready, or the database is unavailable (retry after `Retry-After` seconds).",
     }
     return {s: {"description": descriptions.get(s, "Error."), "content": PROBLEM_CONTENT} for s in statuses}
 

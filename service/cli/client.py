@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -57,6 +58,23 @@ class Client:
             return response.json()
         except ValueError as e:
             raise CliError(f"{method} {path}: the server sent a response that is not JSON") from e
+
+    def stream_text(self, path: str, params: dict[str, Any], *, follow: bool = False) -> Iterator[str]:
+        """GET a plain-text endpoint and yield its text as it arrives (no read timeout when
+        following: the server may stay quiet for a long time)."""
+        timeout = httpx.Timeout(self._http.timeout.connect, read=None) if follow else self._http.timeout
+        try:
+            with self._http.stream("GET", path, params=params, timeout=timeout) as response:
+                if response.is_error:
+                    response.read()
+                    raise CliError(_describe_error(response))
+                yield from response.iter_text()
+        except httpx.TimeoutException as e:
+            raise CliError(f"the Lattice server at {self.server} did not answer in time "
+                           f"({type(e).__name__})") from e
+        except httpx.TransportError as e:
+            raise CliError(f"cannot reach the Lattice server at {self.server} "
+                           f"({str(e) or type(e).__name__})") from e
 
 
 def _describe_error(response: httpx.Response) -> str:

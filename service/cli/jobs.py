@@ -57,19 +57,20 @@ def submit(
 
 
 def watch_job(client: Client, job_id: str, interval: float) -> int:
-    """Show a progress bar until the job finishes; 0 if it succeeded, 1 otherwise."""
+    """Show a progress bar until the job finishes, and the job's reason each time it changes; 0 if
+    it succeeded, 1 otherwise. Fits an 80-column terminal."""
     columns = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
+        TextColumn("[bold]{task.fields[state]:<10}"),
+        BarColumn(bar_width=12),
         MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]}"),
         TextColumn("{task.fields[tps]} tok/s"),
-        TextColumn("{task.fields[state]}"),
+        TextColumn("eta {task.fields[eta]}"),
         TimeElapsedColumn(),
     )
-    failures = 0
+    failures, reason = 0, None
     with Progress(*columns, console=out, transient=False) as progress:
-        task = progress.add_task(job_id, total=None, loss="-", tps="-", state="")
+        task = progress.add_task(job_id, total=None, loss="-", tps="-", state="", eta="-")
         while True:
             try:
                 job = client.request("GET", f"/v1/jobs/{job_id}")
@@ -81,6 +82,9 @@ def watch_job(client: Client, job_id: str, interval: float) -> int:
                 time.sleep(interval)
                 continue
             p = job["progress"]
+            if job.get("reason") and job["reason"] != reason and job["state"] not in TERMINAL:
+                reason = job["reason"]
+                progress.console.print(f"{job_id}: {reason}", markup=False, highlight=False)
             progress.update(
                 task,
                 total=p["total_steps"] or None,
@@ -88,6 +92,7 @@ def watch_job(client: Client, job_id: str, interval: float) -> int:
                 state=job["state"],
                 loss=f"{p['loss']:.4f}" if p["loss"] is not None else "-",
                 tps=f"{p['tokens_per_s']:.0f}" if p["tokens_per_s"] is not None else "-",
+                eta=duration(p.get("eta_s")),
             )
             if job["state"] in TERMINAL:
                 break
@@ -98,6 +103,25 @@ def watch_job(client: Client, job_id: str, interval: float) -> int:
         return 0
     err.print(f"[red]job {job_id} {job['state']}[/red]" + (f": {job['error']}" if job.get("error") else ""))
     return 1
+
+
+def duration(seconds: float | None) -> str:
+    """12.3s, 4m05s, 2h07m; "-" for none."""
+    if not isinstance(seconds, int | float):
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
+    return f"{int(seconds) // 3600}h{int(seconds) % 3600 // 60:02d}m"
+
+
+def goodput_text(goodput: dict[str, Any] | None) -> str:
+    """Where the time went, largest first, parts that took no time left out."""
+    names = {"useful_s": "useful", "startup_s": "startup", "queued_s": "queued",
+             "restarting_s": "restarting", "lost_s": "lost", "checkpoint_s": "checkpoint"}
+    parts = sorted(((v, names[k]) for k, v in (goodput or {}).items() if k in names and v), reverse=True)
+    return ", ".join(f"{name} {duration(v)}" for v, name in parts) or "-"
 
 
 @one_line_errors
@@ -158,11 +182,16 @@ def status(
         ("name", job["name"]),
         ("tenant", job["tenant"]),
         ("state", job["state"]),
+        ("reason", job.get("reason") or job["state"]),
         ("priority", str(job["priority"])),
         ("attempt", str(job["attempt"])),
         ("progress", f"{p['step']}/{p['total_steps']}"),
         ("loss", "-" if p["loss"] is None else f"{p['loss']:.4f}"),
         ("tokens/s", "-" if p["tokens_per_s"] is None else f"{p['tokens_per_s']:.0f}"),
+        ("step time", duration(p.get("step_time_s"))),
+        ("mfu", "-" if p.get("mfu") is None else f"{p['mfu']:.2%}"),
+        ("eta", duration(p.get("eta_s"))),
+        ("time", goodput_text(p.get("goodput"))),
         ("layout", _layout_text(job.get("plan"))),
         ("created", job["created_at"]),
     ]

@@ -18,11 +18,10 @@ from service.planner import (
     Plan,
     PlannerError,
     TrainSpec,
-    evaluate,
     get_preset,
-    plan,
+    plan_layout,
 )
-from service.planner.layout_text import parse_layout
+from service.planner.layout_text import parse_layout_fields
 from training.config.layout import LayoutError
 from training.config.spec import ModelSpec, SpecError
 
@@ -162,12 +161,14 @@ def plan_command(
     ] = "bf16_fp32_adam",
     zero_stages: Annotated[str, typer.Option("--zero-stages", help="stages the search may use")] = "0,1,2,3",
     layout: Annotated[
-        str | None, typer.Option("--layout", help="evaluate e.g. tp=8,pp=4,dp=2,zero=1")
+        str | None,
+        typer.Option("--layout", help="keep these fields, e.g. tp=8,pp=4 (the planner fills in the rest)"),
     ] = None,
     top_k: Annotated[int, typer.Option("--top-k", help="alternatives to show")] = 5,
     json_out: Annotated[bool, typer.Option("--json", help="print the Plan as JSON")] = False,
 ) -> None:
-    """Choose the parallel layout for a model on a cluster (or evaluate one with --layout)."""
+    """Choose the parallel layout for a model on a cluster; --layout keeps the fields it gives (any
+    subset) and fills in the rest, or evaluates a layout that runs as given."""
     try:
         if global_batch is None:
             raise PlannerError("--global-batch N is required (sequences per optimizer step)")
@@ -176,16 +177,17 @@ def plan_command(
         model = _model(preset, layers, hidden, heads, kv_heads, ffn, vocab, seq_len)
         train = TrainSpec(global_batch=global_batch, seq_len=seq_len or model.seq_len, precision=precision)
         cluster = ClusterSpec(gpu, gpus, gpus_per_node, nodes_per_rack, oversubscription)
-        if layout is not None:
-            result = evaluate(
-                model,
-                train,
-                cluster,
-                parse_layout(layout, num_gpus=gpus, global_batch=global_batch),
-                compare_with_search=True,
-            )
-        else:
-            result = plan(model, train, cluster, zero_stages=_zero_stages(zero_stages), top_k=top_k)
+        given = parse_layout_fields(layout) if layout is not None else None
+        result = plan_layout(
+            model,
+            train,
+            cluster,
+            given,
+            zero_stages=_zero_stages(zero_stages),
+            top_k=top_k,
+            compare_with_search=True,
+            gpus_from="--gpus",
+        )
     except (PlannerError, SpecError, LayoutError) as e:
         raise _fail(str(e)) from None
     if json_out:

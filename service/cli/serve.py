@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -13,6 +16,14 @@ from service.cli.app import (
 )
 from service.cli.client import CliError
 from service.settings import describe_settings
+
+
+def bootstrap_notice(token: str, path: Path, *, terminal: bool) -> list[str]:
+    """What `serve` prints about a new bootstrap admin token: the token itself only on a terminal
+    (a non-terminal stdout is a log file or a collector that others may read)."""
+    if terminal:
+        return [f"Admin token (shown once; saved to {path}, mode 0600):", token]
+    return [f"Admin token created and saved to {path} (mode 0600); not printed: stdout is not a terminal"]
 
 
 def settings_epilog() -> str:
@@ -38,11 +49,13 @@ def serve(
     """Run the Lattice service: migrate the database, start (or join) the Ray cluster, run the
     scheduler, serve the API. Ctrl-C stops it; running jobs resume on the next start."""
     from service.runtime import Runtime, ServiceStartError, configure_logging
+    from service.statefiles import PRIVATE_UMASK, write_private
 
     settings = load_settings()
     updates = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
     settings = settings.model_copy(update=updates)
     configure_logging(settings)
+    os.umask(PRIVATE_UMASK)  # everything the service (and its embedded Ray) creates is private
     runtime = Runtime(settings, with_scheduler=not api_only)
     try:
         runtime.start()
@@ -50,9 +63,10 @@ def serve(
         raise CliError(str(e)) from e
     try:
         if runtime.admin_token is not None:
-            out.print(f"Admin token (shown once; saved to {settings.token_path}, mode 0600):")
-            out.print(runtime.admin_token, soft_wrap=True)
-        settings.server_file.write_text(runtime.client_url() + "\n")
+            notice = bootstrap_notice(runtime.admin_token, settings.token_path, terminal=sys.stdout.isatty())
+            for line in notice:
+                out.print(line, soft_wrap=True)
+        write_private(settings.server_file, runtime.client_url() + "\n")
         out.print(f"Lattice listening on http://{settings.host}:{settings.port}")
         runtime.serve_forever()
     finally:

@@ -10,6 +10,7 @@ with its sources and calibration in docs/planner.md.
 """
 
 from service.planner.errors import PlannerError
+from service.planner.fill import LayoutRefused, layout_gpus, plan_layout
 from service.planner.formulas import (
     activation_bytes_per_layer,
     bubble_fraction,
@@ -36,6 +37,7 @@ __all__ = [
     "ClusterSpec",
     "GpuType",
     "Layout",
+    "LayoutRefused",
     "ModelSpec",
     "Plan",
     "PlannerError",
@@ -46,10 +48,12 @@ __all__ = [
     "flops_per_token",
     "get_gpu",
     "get_preset",
+    "layout_gpus",
     "model_state_bytes",
     "param_counts",
     "parse_layout",
     "plan",
+    "plan_layout",
     "total_params",
     "tp_bytes_per_layer",
 ]

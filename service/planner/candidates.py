@@ -6,7 +6,8 @@ fits a model. `detail_for` scores one fixed layout."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from service.planner.costmodel import Combo, Env, Family, Micro, Stage, combine, finish
 from service.planner.errors import PlannerError
@@ -40,7 +41,8 @@ def divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
-def schedule_options(pp: int, m: int, layers: int, schedules: Sequence[str]) -> list[tuple[str, int]]:
+def schedule_options(pp: int, m: int, layers: int, schedules: Sequence[str],
+                     depths: Sequence[int] = INTERLEAVE_DEPTHS) -> list[tuple[str, int]]:
     """(schedule, v) pairs that can run `m` micro-batches on `pp` ranks (the torch schedules' rules)."""
     if pp == 1:
         return [("none", 1)]
@@ -51,7 +53,7 @@ def schedule_options(pp: int, m: int, layers: int, schedules: Sequence[str]) -> 
         elif sch == "1f1b" and m >= pp:
             out.append((sch, 1))
         elif sch in ("interleaved_1f1b", "interleaved_zero_bubble") and m % pp == 0:
-            out.extend((sch, v) for v in INTERLEAVE_DEPTHS if pp * v <= layers)
+            out.extend((sch, v) for v in depths if v >= 2 and pp * v <= layers)
         elif sch in V_SHAPED and m >= 2 * pp and 2 * pp <= layers:
             out.append((sch, 2))
     return out
@@ -98,6 +100,11 @@ def better(a: Candidate, b: Candidate | None) -> bool:
 
 
 class CandidateSearch:
+    """Every layout the cluster admits, outermost first; `fixed` (Layout field -> value) keeps only
+    the layouts with those values (a partial layout, service.planner.fill). A fixed degree is taken
+    even where the search would not choose it for speed (tp across nodes, cp below MIN_CP_TOKENS or
+    across racks), as long as the engine can run it."""
+
     def __init__(
         self,
         env: Env,
@@ -105,8 +112,10 @@ class CandidateSearch:
         schedules: Sequence[str],
         first_fit: bool = False,
         budget: int = MAX_CANDIDATES,
+        fixed: Mapping[str, Any] | None = None,
     ):
         self.env = env
+        self.fixed: dict[str, Any] = dict(fixed or {})
         self.zs = tuple(zero_stages)
         self.schedules = tuple(schedules)
         self.first_fit = first_fit
@@ -124,6 +133,9 @@ class CandidateSearch:
             self._seen.add((family, reason))
             self.rejected.append({"family": family, "reason": reason})
 
+    def _allowed(self, name: str, value: Any) -> bool:
+        return name not in self.fixed or self.fixed[name] == value
+
     def tp_options(self) -> list[int]:
         env, m = self.env, self.env.model
         out = []
@@ -131,11 +143,13 @@ class CandidateSearch:
         for t in divisors(env.n):
             if t > m.heads:
                 break
+            if not self._allowed("tp", t):
+                continue
             bad = [f"{v} {what}" for v, what in ((m.heads, "heads"), (m.n_kv_heads, "KV heads"),
                    (m.ffn_dim, "FFN columns"), (m.vocab, "vocabulary entries")) if v % t]
             if bad:
                 self._reject(f"tp={t}", f"tp={t} does not divide the {bad[0]}")
-            elif t > env.gpn or env.gpn % t:
+            elif (t > env.gpn or env.gpn % t) and "tp" not in self.fixed:
                 if not crossed:
                     self._reject(f"tp={t}", f"tp={t} crosses the {env.gpn}-GPU node")
                     crossed = True
@@ -150,17 +164,20 @@ class CandidateSearch:
                 # The engine splits experts with ep, not tp (training.config.validate.check_layout_for_model).
                 self._reject(f"tp={tp}", f"tp={tp} with an MoE model: experts are split with ep, not tp")
                 continue
+            given = "tp" in self.fixed or "cp" in self.fixed  # taken even where slow
             for cp in divisors(env.n // tp):
-                if env.s % cp or (cp > 1 and env.s % (2 * cp)):
+                if env.s % cp or (cp > 1 and env.s % (2 * cp)) or not self._allowed("cp", cp):
                     continue  # each CP rank holds two chunks for causal load balance
-                if cp > 1 and env.s // cp < MIN_CP_TOKENS:
+                if cp > 1 and env.s // cp < MIN_CP_TOKENS and "cp" not in self.fixed:
                     break
                 span = tp * cp
-                if env.n > env.rack and (span > env.rack or env.rack % span):
+                if not given and env.n > env.rack and (span > env.rack or env.rack % span):
                     self._reject(f"cp={cp}", f"cp={cp} with tp={tp} spans more than a {env.rack}-GPU rack")
                     continue
                 too_deep = False
                 for pp in divisors(env.n // span):
+                    if not self._allowed("pp", pp) or not self._allowed("dp", env.n // (span * pp)):
+                        continue
                     if pp > model.layers:
                         if not too_deep:
                             self._reject(f"pp={pp}", f"pp={pp} exceeds the {model.layers} layers")
@@ -180,7 +197,7 @@ class CandidateSearch:
                         self._reject(name, f"dp={dp} does not divide global batch {env.g}")
                         continue
                     eps = divisors(math.gcd(model.num_experts, dp * cp)) if model.is_moe else [1]
-                    for ep in eps:
+                    for ep in (e for e in eps if self._allowed("ep", e)):
                         self.families += 1
                         if self._family(
                             Family(env, tp, cp, pp, dp, ep), name + (f",ep={ep}" if ep > 1 else "")
@@ -191,6 +208,7 @@ class CandidateSearch:
         """Search one family; True when first_fit found a fit."""
         env, key = self.env, fam.key()
         cap, zs = env.capacity, self.zs
+        zs = tuple(z for z in zs if self._allowed("zero_stage", z))
         if fam.ep > 1:
             # FSDP of expert-parallel weights is not implemented; ZeRO-1 shards their optimizer state.
             zs = tuple(z for z in zs if z <= 1)
@@ -202,12 +220,23 @@ class CandidateSearch:
         best: Candidate | None = None
         lean = math.inf
         lean_desc = ""
-        sps = (True, False) if fam.tp > 1 else (False,)
+        # Sequence parallel splits each rank's sequence over the TP group (the engine's rule).
+        sp_ok = fam.tp > 1 and (env.s // fam.cp) % fam.tp == 0
+        sps = tuple(sp for sp in ((True, False) if sp_ok else (False,))
+                    if self._allowed("sequence_parallel", sp))
+        rcs = tuple(rc for rc in RECOMPUTE if self._allowed("recompute", rc))
+        depths = (self.fixed["virtual_stages"],) if "virtual_stages" in self.fixed else INTERLEAVE_DEPTHS
         for mbs in divisors(b_local):
-            if mbs > MAX_MICRO_BATCH:
+            if mbs > MAX_MICRO_BATCH and "micro_batch_size" not in self.fixed:
                 break
             m = b_local // mbs
-            options = schedule_options(fam.pp, m, env.model.layers, self.schedules)
+            if not self._allowed("micro_batch_size", mbs) or not self._allowed("num_microbatches", m):
+                continue
+            options = [
+                (sch, v)
+                for sch, v in schedule_options(fam.pp, m, env.model.layers, self.schedules, depths)
+                if self._allowed("schedule", sch) and self._allowed("virtual_stages", v)
+            ]
             if not options:
                 continue
             for sp in sps:
@@ -216,7 +245,7 @@ class CandidateSearch:
                         f"search space too large ({self.evaluated} candidates evaluated): narrow it with "
                         "fewer zero_stages, fewer GPUs or a smaller global batch, or evaluate a given layout"
                     )
-                for rc in RECOMPUTE:
+                for rc in rcs:
                     micro = Micro(fam, mbs, sp, rc)
                     for schedule, v in options:
                         skey = (v, schedule in V_SHAPED)

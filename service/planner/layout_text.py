@@ -1,9 +1,8 @@
 """Parse a layout written as text, e.g. `tp=8,pp=4,dp=2,zero=1,mbs=1,m=8,schedule=1f1b,sp`.
 
 Accepts Layout's field names and the short names a plan's layout line uses (zero, mbs, m, v, sp),
-so that line can be pasted back. Degrees left out are filled in from the cluster and
-the batch: dp = gpus / (tp cp pp), num_microbatches = global_batch / (dp mbs), schedule 1f1b when
-pp > 1.
+so that line can be pasted back. `parse_layout_fields` gives only the fields written (a partial
+layout: service.planner.plan_layout fills in the rest, as for a job's `parallelism`).
 """
 
 from __future__ import annotations
@@ -26,7 +25,8 @@ _INTS = ("tp", "pp", "dp", "cp", "ep", "zero_stage", "micro_batch_size", "num_mi
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def parse_layout(text: str, *, num_gpus: int | None = None, global_batch: int | None = None) -> Layout:
+def parse_layout_fields(text: str) -> dict[str, Any]:
+    """The fields `text` gives, by Layout's names (a partial layout for plan_layout)."""
     fields: dict[str, Any] = {}
     known = set(Layout.__dataclass_fields__)
     for part in (p.strip() for p in text.split(",")):
@@ -50,28 +50,12 @@ def parse_layout(text: str, *, num_gpus: int | None = None, global_batch: int | 
             fields[key] = value.lower() in _TRUE or value == ""
         else:
             fields[key] = value
-    tp, pp, cp = fields.get("tp", 1), fields.get("pp", 1), fields.get("cp", 1)
-    if "dp" not in fields and num_gpus is not None and tp * pp * cp > 0 and num_gpus % (tp * pp * cp) == 0:
-        fields["dp"] = num_gpus // (tp * pp * cp)
-    mbs = fields.setdefault("micro_batch_size", 1)
-    dp = fields.get("dp", 1)
-    if (
-        "num_microbatches" not in fields
-        and global_batch is not None
-        and dp * mbs > 0
-        and global_batch % (dp * mbs) == 0
-    ):
-        fields["num_microbatches"] = global_batch // (dp * mbs)
-    if pp > 1:
-        fields.setdefault("schedule", "1f1b")
-    if fields.get("schedule") in (
-        "interleaved_1f1b",
-        "interleaved_zero_bubble",
-        "zbv_zero_bubble",
-        "dualpipev",
-    ):
-        fields.setdefault("virtual_stages", 2)
+    return fields
+
+
+def parse_layout(text: str) -> Layout:
+    """A whole layout from text (Layout's defaults for fields left out), e.g. a plan's layout line."""
     try:
-        return Layout(**fields)
+        return Layout(**parse_layout_fields(text))
     except (LayoutError, TypeError) as e:
         raise PlannerError(str(e)) from e

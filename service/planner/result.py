@@ -136,6 +136,8 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     rejected: list[dict[str, str]] = field(default_factory=list)
     candidates_evaluated: int = 0
+    # The layout fields the request gave (a partial or explicit layout), kept as given; None = "auto".
+    given: dict[str, Any] | None = None
 
     @classmethod
     def from_detail(cls, d: Detail, *, mode: str, env: Env) -> Plan:
@@ -207,4 +209,5 @@ class Plan:
             "reasons": list(self.reasons),
             "rejected": [dict(r) for r in self.rejected],
             "candidates_evaluated": self.candidates_evaluated,
+            "given": dict(self.given) if self.given is not None else None,
         }

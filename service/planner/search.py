@@ -61,6 +61,12 @@ def plan(
     search.run()
     if search.best is None:
         raise PlannerError(too_big_message(env, search, zs, schs))
+    return plan_from_search(env, search, zs, top_k)
+
+
+def plan_from_search(env: Env, search: CandidateSearch, zs: Sequence[int], top_k: int) -> Plan:
+    """The Plan of a finished search (search.best is set): its layout, alternatives and reasons."""
+    assert search.best is not None
     step, z, _, stage, micro, combo = search.best
     detail = build_detail(stage, micro, combo, z, candidate_layout(stage, micro, combo, z))
     result = Plan.from_detail(detail, mode="search", env=env)
@@ -73,7 +79,7 @@ def plan(
     result.reasons = explain(env, detail, result, search, zs)
     log.debug(
         "planned %s on %d %s: %s in %d candidates",
-        model.name,
+        env.model.name,
         env.n,
         env.gpu.name,
         describe(detail.layout),

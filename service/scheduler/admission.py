@@ -11,10 +11,19 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service import store
 from service.errors import ConcurrentUpdate, IllegalTransition, JobNotFound
-from service.planner import ClusterSpec, PlannerError, TrainSpec, evaluate, flops_per_token, get_gpu, plan
+from service.planner import (
+    ClusterSpec,
+    PlannerError,
+    TrainSpec,
+    flops_per_token,
+    get_gpu,
+    layout_gpus,
+    plan_layout,
+)
 from service.schemas import JobSpec
 from service.settings import Settings
 from service.store.models import Job, JobState
+from training.config.layout import Layout
 from workers.client import ControllerOptions
 from workers.topology import Topology
 
@@ -63,11 +72,13 @@ def replan_if_needed(s: Session, job: Job, settings: Settings, topology: Topolog
     try:
         spec = JobSpec.model_validate(job.spec)
         model = spec.model_spec()
-        layout = spec.explicit_layout()
+        given = spec.layout_given()
         alive = [n for n in topology.gpu_nodes if n.alive]
         total = sum(n.gpus_total for n in alive)
         per_rack = max((len(ns) for ns in topology.racks.values()), default=1)
-        num_gpus = spec.resources.gpus or (layout.world_size if layout else total)
+        num_gpus = spec.resources.gpus or (
+            layout_gpus(model, given, spec.train.global_batch, total) if given is not None else total
+        )
         cluster = ClusterSpec(
             gpu_type=settings.gpu_type, num_gpus=max(1, num_gpus),
             gpus_per_node=topology.gpus_per_node() or settings.embedded_gpus_per_node,
@@ -75,7 +86,7 @@ def replan_if_needed(s: Session, job: Job, settings: Settings, topology: Topolog
         )
         train = TrainSpec(global_batch=spec.train.global_batch, seq_len=model.seq_len,
                           precision=spec.train.precision)
-        new = plan(model, train, cluster) if layout is None else evaluate(model, train, cluster, layout)
+        new = plan_layout(model, train, cluster, given)
     except (PlannerError, ValueError) as e:
         return f"no feasible plan for the live cluster ({settings.gpu_type}): {e}"
     reason = f"re-planned for the live cluster's {live} (the plan was for {planned or 'nothing'})"
@@ -97,6 +108,8 @@ def controller_options(settings: Settings, spec: JobSpec, seq: int, reached_step
         "first_seq": seq,
         "faults": faults,
         "flops_per_token": flops_per_token(model, model.seq_len),
+        "log_max_bytes": settings.rank_log_max_bytes,
+        "log_backups": settings.rank_log_backups,
         **defaults,
     }
     fields["first_seq"] = seq  # events continue the job's numbering whatever the defaults say
@@ -110,6 +123,21 @@ def fail_job(sf: sessionmaker[Session], job_id: str, reason: str) -> None:
             store.transition(s, job_id, JobState.FAILED, reason=reason)
     except (ConcurrentUpdate, IllegalTransition) as e:
         log.info("job %s: not failed (%s)", job_id, e)
+
+
+def waiting_reason(layout: Layout, topology: Topology, error: Exception | str) -> str:
+    """Why a queued job's layout does not fit the free GPUs now, first in a few words ("no node with
+    4 free GPUs", "needs 8 GPUs, 6 free"), then the placement's full answer."""
+    usable = topology.schedulable_nodes()
+    free = sum(n.gpus_free for n in usable)
+    most = max((n.gpus_free for n in usable), default=0)
+    if layout.tp > most:
+        head = f"no node with {layout.tp} free GPU{'s' if layout.tp > 1 else ''}"
+    elif free < layout.world_size:
+        head = f"needs {layout.world_size} GPUs, {free} free"
+    else:
+        return str(error)
+    return f"{head} ({error})"
 
 
 class WaitingNotes:
@@ -130,6 +158,7 @@ class WaitingNotes:
         self._reasons[job_id] = reason
         with store.session_scope(self._sf) as s:
             store.append_event(s, job_id, "waiting", {"reason": reason})
+            store.update_progress(s, job_id, reason=f"queued: {reason}"[:2000])
         log.info("job %s waits: %s", job_id, reason)
 
     def forget(self, job_id: str) -> None:

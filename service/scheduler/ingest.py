@@ -4,6 +4,7 @@ session: no threads, no controller calls."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -12,8 +13,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import store
+from service.progress import advance, checkpoint_seconds, goodput, mfu_seconds
+from service.scheduler import observer
 from service.store.jobs import LEGAL_TRANSITIONS
-from service.store.models import Job, JobEvent, JobState, Node, NodeHealth
+from service.store.models import Job, JobEvent, JobState
+from service.store.nodes import record_node_fault
 from workers.client import ControllerState
 from workers.events import EventKind
 
@@ -76,6 +80,8 @@ def mirror_state(s: Session, job: Job, snap: Mapping[str, Any]) -> None:
             reason = "all ranks finished"
         elif step_state == JobState.FAILED:
             reason = snap.get("reason") or "the controller failed the job"
+            if snap.get("traceback"):  # the failing rank's last traceback, under the reason
+                fields["error"] = f"{reason}\n\n{snap['traceback']}"
         elif step_state == JobState.QUEUED and snap.get("reason"):
             reason = f"waiting for capacity: {snap['reason']}"
         store.transition(s, job.id, step_state, reason=reason, set_fields=fields)
@@ -99,7 +105,7 @@ def write_snapshot(sf: sessionmaker[Session], job_id: str, seen_seq: int, snap: 
         if not current.terminal:
             progress = snap["progress"]
             fields: dict[str, Any] = {"controller_seq": last_seq}
-            for key in ("loss", "tokens_per_s", "mfu"):
+            for key in ("loss", "tokens_per_s"):
                 if progress.get(key) is not None:
                     fields[key] = progress[key]
             if progress.get("step") is not None:
@@ -107,9 +113,64 @@ def write_snapshot(sf: sessionmaker[Session], job_id: str, seen_seq: int, snap: 
             if ControllerState(snap["state"]) in PLACED_STATES or snap["terminal"]:
                 if snap["placement"] and snap["placement"] != job.placement:
                     fields["placement"] = snap["placement"]
-            store.update_progress(s, job_id, **fields)
+            derived, reason = _progress_fields(s, job, snap, [e for e in new_events if e["seq"] > floor])
+            store.update_progress(s, job_id, **fields, **derived)
             mirror_state(s, job, snap)
+            if reason is not None:  # after the transitions: each sets a reason of its own
+                store.update_progress(s, job_id, reason=reason)
     return last_seq, current
+
+
+# ---- progress, goodput and the reason --------------------------------------------------------------
+def _progress_fields(s: Session, job: Job, snap: Mapping[str, Any],
+                     events: list[dict[str, Any]]) -> tuple[dict[str, Any], str | None]:
+    """The progress document (service.progress) and MFU, and the reason (None in a terminal state),
+    with the job in the state this snapshot moves it to; hands the same numbers to the metrics
+    observer."""
+    now = time.time()
+    path = job_transition_path(JobState(job.state), JobState(snap["job_state"]))
+    after = path[-1] if path else JobState(job.state)
+    created = job.created_at.timestamp()
+    start = now if job.progress else _controller_started(s, job.id, default=now)
+    plan_mfu = mfu_seconds(job.plan)
+    doc = advance(job.progress, state=after.value, snap=snap, now=now, start=start, created=created,
+                           plan_mfu_seconds=plan_mfu, checkpoint_seconds=checkpoint_seconds(events))
+    for e in events:
+        if e.get("kind") == EventKind.FAILURE:
+            nodes = [str(n) for n in (e.get("failure") or {}).get("nodes") or []]
+            where = f" (on {', '.join(nodes)})" if nodes else ""
+            doc["failure"] = f"{e.get('message') or (e.get('failure') or {}).get('kind')}{where}"[:500]
+    predicted = ((job.plan or {}).get("predicted") or {}).get("mfu")
+    observer.publish(job.id, job.name, job.tenant, observer.Derived(
+        doc["mfu"], goodput(doc, created=created, end=now),
+        float(predicted) if isinstance(predicted, int | float) else None))
+    return {"progress": doc, "mfu": doc["mfu"]}, None if after.terminal else state_reason(after, snap, doc)
+
+
+def _controller_started(s: Session, job_id: str, default: float) -> float:
+    """When the scheduler last moved the job to `starting` (its controller was started)."""
+    for event in reversed(store.list_events(s, job_id, limit=None, types=["state"])):
+        if event.payload.get("to") == JobState.STARTING.value:
+            return event.time.timestamp()
+    return default
+
+
+def state_reason(state: JobState, snap: Mapping[str, Any], doc: Mapping[str, Any]) -> str:
+    """Why an active job is in its state, for people: "queued: ...", "recovering: rank(s) [3] died
+    ... (on r1-n2)", "running"."""
+    controller = str(snap.get("state"))
+    if state == JobState.QUEUED:
+        return f"queued: {snap.get('reason') or 'waiting for GPUs'}"
+    if state == JobState.RECOVERING:
+        return f"recovering: {doc.get('failure') or 'restarting the ranks'}"
+    if doc.get("phase") == "startup":
+        what = {"INIT": "reserving GPUs", "PLACING": "reserving GPUs", "STARTING": "starting the ranks"}
+        return f"starting: {what.get(controller, 'waiting for the first step')}"
+    if state == JobState.STARTING:
+        return "starting"
+    if doc.get("phase") == "restarting":
+        return "running: waiting for the first step after a restart"
+    return "running"
 
 
 # ---- controller events -----------------------------------------------------------------------------
@@ -141,26 +202,16 @@ def store_controller_event(s: Session, job: Job, event: Mapping[str, Any]) -> No
         store.set_plan(s, job.id, plan, reason=str(event.get("message") or "replanned by the controller"))
         s.refresh(job)
     elif kind in (EventKind.NODE_SUSPECT, EventKind.NODE_QUARANTINED) and event.get("node"):
-        _record_node_fault(s, str(event["node"]), quarantine=kind == EventKind.NODE_QUARANTINED,
-                           fault=f"job {job.id}: {event.get('message', kind)}")
+        # The node ledger across jobs: one job's faults make a node suspect; a second job's, or a
+        # confirmed hardware signal from the controller, quarantine it.
+        record_node_fault(s, str(event["node"]), job.id, f"job {job.id}: {event.get('message', kind)}",
+                          confirmed=kind == EventKind.NODE_QUARANTINED)
     store.append_event(s, job.id, "controller_state" if kind == EventKind.STATE else kind[:32], payload)
 
 
 def _mark_checkpoint(s: Session, job_id: str, step: int, verified: bool) -> None:
     if any(c.step == step for c in store.list_checkpoints(s, job_id)):
         store.mark_checkpoint_verified(s, job_id, step, verified)
-
-
-def _record_node_fault(s: Session, name: str, *, quarantine: bool, fault: str) -> None:
-    row = s.get(Node, name)
-    if row is None:
-        row = store.upsert_node(s, name)
-    if quarantine:
-        store.set_node_health(s, name, NodeHealth.QUARANTINED)
-    elif row.health == NodeHealth.READY.value:
-        store.set_node_health(s, name, NodeHealth.SUSPECT, fault=fault)
-    else:  # keep a stronger state (quarantined, cordoned, dead); count the fault
-        store.set_node_health(s, name, row.health, fault=fault)
 
 
 def summarize_result(result: Mapping[str, Any], progress: Mapping[str, Any]) -> dict[str, Any]:

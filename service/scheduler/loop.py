@@ -287,7 +287,7 @@ class Scheduler:
             try:
                 intended = place(layout, view)
             except PlacementError as e:
-                self._waiting.note(job_id, str(e))
+                self._waiting.note(job_id, admission.waiting_reason(layout, view, e))
                 continue
             self._start(job_id, version, layout, intended)
             return  # the next start waits until this one holds its GPUs

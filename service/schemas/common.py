@@ -3,7 +3,9 @@ and the check that a spec can be stored."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 from pydantic import (
@@ -25,6 +27,33 @@ class StrictModel(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
+
+
+# Caps on the shape of any JSON a request carries (checked before anything else walks it).
+MAX_JSON_DEPTH = 8
+MAX_JSON_BYTES = 16 * 1024  # one fault, or any other free-form part of a request
+MAX_SPEC_BYTES = 64 * 1024  # a whole job spec, as stored
+
+
+def check_json_bounds(value: Any, path: str, *, max_depth: int = MAX_JSON_DEPTH, max_bytes: int) -> None:
+    """Refuse JSON nested deeper than `max_depth` or larger than `max_bytes` serialised, naming the
+    field. Iterative, so a hostile depth cannot exhaust the stack."""
+    stack: list[tuple[Any, str, int]] = [(value, path, 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        if isinstance(item, dict | list) and depth >= max_depth:
+            top = re.split(r"[.\[]", where, maxsplit=1)[0] or "body"  # the field a user wrote, first
+            raise ValueError(
+                f"{top}: nested too deeply (at {where or 'body'}): at most {max_depth} levels of objects "
+                "and lists"
+            )
+        if isinstance(item, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k), depth + 1) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(item))
+    size = len(json.dumps(value, default=str, separators=(",", ":")).encode("utf-8", "replace"))
+    if size > max_bytes:
+        raise ValueError(f"{path or 'body'} is {size} bytes serialised; at most {max_bytes} are allowed")
 
 
 def error_message(e: BaseException) -> str:

@@ -13,14 +13,28 @@ from pydantic import (
 )
 
 from training.config.layout import Layout, LayoutError
-from training.config.run import CheckpointConfig, DataConfig, IntegrityConfig, OptimConfig, RunConfig
+from training.config.run import (
+    CheckpointConfig,
+    DataConfig,
+    InitConfig,
+    IntegrityConfig,
+    OptimConfig,
+    RunConfig,
+    ValidationConfig,
+)
 from training.config.spec import ModelSpec
-from training.config.validate import check_layout_for_model
 from workers.faults import FaultError, normalize_fault
 
 if TYPE_CHECKING:
     pass
-from service.schemas.common import NAME_PATTERN, StrictModel, check_storable, error_message
+from service.schemas.common import (
+    MAX_SPEC_BYTES,
+    NAME_PATTERN,
+    StrictModel,
+    check_json_bounds,
+    check_storable,
+    error_message,
+)
 from service.schemas.faults import FaultSpec
 from service.schemas.model import ModelConfig, ModelField, ModelPreset
 from service.schemas.training import (
@@ -83,12 +97,17 @@ class JobSpec(StrictModel):
     faults: list[FaultSpec] = Field(
         default_factory=list,
         max_length=100,
-        description="Faults to inject (testing; needs fault injection on).",
+        description="Faults to inject (testing; needs an admin token and fault injection on).",
+    )
+    allow_unfit: bool = Field(
+        False, description="Admit a job whose plan does not fit in GPU memory (admin only; for experiments)."
     )
 
     @model_validator(mode="before")
     @classmethod
     def _storable_strings(cls, data: Any) -> Any:
+        # Depth and size first (iteratively): a stored spec must always be servable again.
+        check_json_bounds(data, "", max_bytes=MAX_SPEC_BYTES)
         # PostgreSQL text/JSONB cannot hold NUL or NaN; lone surrogates cannot be encoded at all.
         check_storable(data, "")
         return data
@@ -97,29 +116,16 @@ class JobSpec(StrictModel):
     def _consistent(self) -> JobSpec:
         if isinstance(self.model, ModelPreset):
             self.model_spec()  # an unknown preset is a validation error naming model.preset
-        if isinstance(self.parallelism, LayoutSpec):
-            layout = self.parallelism.to_layout()
-            if layout.global_batch != self.train.global_batch:
-                raise ValueError(
-                    f"parallelism: dp ({layout.dp}) x micro_batch_size ({layout.micro_batch_size}) x "
-                    f"num_microbatches ({layout.num_microbatches}) = {layout.global_batch} must equal "
-                    f"train.global_batch ({self.train.global_batch})"
-                )
-            try:
-                check_layout_for_model(self.model_spec(), layout)  # what the ranks would refuse later
-            except LayoutError as e:
-                raise ValueError(f"parallelism: {e}") from e
-            if self.resources.gpus is not None and layout.world_size != self.resources.gpus:
-                raise ValueError(
-                    f"parallelism: tp x cp x dp x pp = {layout.world_size} must equal resources.gpus "
-                    f"({self.resources.gpus})"
-                )
+        # A (partial) layout is checked against the model and the cluster by the planner when the job
+        # is planned (service.planner.fill.plan_layout): a refusal there names the nearest layout.
         return self
 
     @field_validator("faults")
     @classmethod
     def _fault_targets(cls, faults: list[FaultSpec]) -> list[FaultSpec]:
         for i, fault in enumerate(faults):
+            if fault.at_step is None:
+                fault.at_step = 1  # "the next step" of a job that has not started
             if fault.kind in ("kill_rank", "hang_rank", "slow_rank", "bitflip") and fault.rank is None:
                 raise ValueError(f"faults[{i}].rank is required for kind {fault.kind!r}")
             try:  # the controller's own validation, so a bad parameter is a 422 and not a failed start
@@ -143,8 +149,19 @@ class JobSpec(StrictModel):
                 message if message.startswith("model.preset") else f"model.preset: {message}"
             ) from e
 
+    def layout_given(self) -> dict[str, Any] | None:
+        """The parallelism fields given (any subset of Layout's); None for `parallelism: auto`."""
+        return self.parallelism.given() if isinstance(self.parallelism, LayoutSpec) else None
+
     def explicit_layout(self) -> Layout | None:
-        return self.parallelism.to_layout() if isinstance(self.parallelism, LayoutSpec) else None
+        """The given fields with Layout's defaults for the rest; None for `auto` or when those make no
+        Layout (a partial layout). The layout a job runs is its plan's (service.planner.plan_layout)."""
+        if not isinstance(self.parallelism, LayoutSpec):
+            return None
+        try:
+            return self.parallelism.to_layout()
+        except LayoutError:
+            return None
 
     def to_run_config(self, layout: Layout, checkpoint_dir: str | None) -> RunConfig:
         """What each rank's training loop needs, for the layout the job was placed with."""
@@ -156,7 +173,10 @@ class JobSpec(StrictModel):
             optim=OptimConfig(
                 lr=self.train.lr, weight_decay=self.train.weight_decay, grad_clip=self.train.grad_clip
             ),
-            data=DataConfig(kind=self.data.kind, path=self.data.path, seed=self.data.seed),
+            data=DataConfig(kind=self.data.kind, path=self.data.path, seed=self.data.seed,
+                            dtype=self.data.dtype,
+                            validation=(ValidationConfig(**self.data.validation.model_dump())
+                                        if self.data.validation is not None else None)),
             checkpoint=CheckpointConfig(
                 dir=checkpoint_dir,
                 every_steps=self.checkpoint.every_steps,
@@ -165,6 +185,8 @@ class JobSpec(StrictModel):
             ),
             integrity=IntegrityConfig(fingerprint_every=self.fault_tolerance.sdc_check_every),
             dp_impl=self.train.dp_impl,
+            init_from=(InitConfig(path=self.model.init_from.path, format=self.model.init_from.format)
+                       if self.model.init_from is not None else None),
         )
 
     def canonical(self) -> dict[str, Any]:

@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import (
     Discriminator,
     Field,
+    SerializerFunctionWrapHandler,
     Tag,
+    model_serializer,
     model_validator,
 )
 
@@ -18,13 +20,35 @@ if TYPE_CHECKING:
 from service.schemas.common import MAX_DEGREE, StrictModel
 
 
+def _without_unset_init(data: dict[str, Any]) -> dict[str, Any]:
+    """Stored specs name `init_from` only when given (older specs and their hashes stay as they were)."""
+    if data.get("init_from") is None:
+        data.pop("init_from", None)
+    return data
+
+
+class InitFrom(StrictModel):
+    """Pretrained weights to start from (training.interop); the optimizer starts fresh."""
+
+    path: str = Field(min_length=1, max_length=4096, description=(
+        "An export folder (or its weights file) inside the data root: relative to it, or absolute under it."))
+    format: Literal["hf", "torch"] = Field(
+        "hf", description="hf: config.json + model.safetensors (Llama/Mixtral); torch: model.pt + model.json."
+    )
+
+
 class ModelPreset(StrictModel):
+    init_from: InitFrom | None = Field(None, description="Start from these weights (shapes must match).")
     preset: str = Field(
         min_length=1,
         max_length=64,
         description="Name of a model preset known to the planner.",
         examples=["demo", "gpt2-small", "llama3-8b"],
     )
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_unset_init(handler(self))
 
 
 class ModelConfig(StrictModel):
@@ -56,6 +80,7 @@ class ModelConfig(StrictModel):
     )
     moe_layer_freq: int = Field(1, ge=1, le=1024, description="Every n-th block is MoE, the others dense.")
     name: str = Field("custom", min_length=1, max_length=64, description="Label for the model.")
+    init_from: InitFrom | None = Field(None, description="Start from these weights (shapes must match).")
 
     @model_validator(mode="after")
     def _check_shape(self) -> ModelConfig:
@@ -65,8 +90,12 @@ class ModelConfig(StrictModel):
             raise ValueError(str(e)) from e
         return self
 
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_unset_init(handler(self))
+
     def to_model_spec(self) -> ModelSpec:
-        return ModelSpec(**self.model_dump())
+        return ModelSpec(**self.model_dump(exclude={"init_from"}))
 
 
 def _model_kind(value: Any) -> str:

@@ -12,11 +12,30 @@ from pydantic import (
     model_validator,
 )
 
-from training.config.layout import RECOMPUTE, SCHEDULES, Layout, LayoutError
+from training.config.layout import RECOMPUTE, SCHEDULES, Layout
 
 if TYPE_CHECKING:
     pass
 from service.schemas.common import MAX_COUNT, MAX_DEGREE, StrictModel
+
+
+class ValidationSpec(StrictModel):
+    """A held-out split (never trained on) whose loss is reported every `every_steps` steps."""
+
+    path: str | None = Field(
+        None, min_length=1, max_length=4096, description="Held-out token file or folder (in the data root)."
+    )
+    fraction: float | None = Field(
+        None, gt=0, lt=1, description="Or: hold out this fraction of the training windows (the last ones)."
+    )
+    every_steps: int = Field(100, ge=1, le=MAX_COUNT, description="Evaluate every this many steps.")
+    batches: int = Field(1, ge=1, le=10_000, description="Global batches of held-out samples per evaluation.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ValidationSpec:
+        if (self.path is None) == (self.fraction is None):
+            raise ValueError("data.validation needs exactly one of path or fraction")
+        return self
 
 
 class DataSpec(StrictModel):
@@ -24,8 +43,14 @@ class DataSpec(StrictModel):
         "synthetic",
         description="synthetic: a deterministic task whose loss falls; tokens: a uint16 token file.",
     )
-    path: str | None = Field(None, min_length=1, max_length=4096, description="Token file, for kind=tokens.")
+    path: str | None = Field(
+        None, min_length=1, max_length=4096, description="Token file or folder of *.bin shards (kind=tokens)."
+    )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Data order seed.")
+    dtype: Literal["uint16", "uint32"] = Field(
+        "uint16", description="Token width of the files: uint16 (nanoGPT's .bin) or uint32."
+    )
+    validation: ValidationSpec | None = Field(None, description="Held-out validation loss; unset = none.")
 
     @model_validator(mode="after")
     def _path_for_tokens(self) -> DataSpec:
@@ -53,37 +78,47 @@ class TrainConfig(StrictModel):
 
 # ---- parallelism ------------------------------------------------------------------------------
 class LayoutSpec(StrictModel):
-    """An explicit parallel layout (the fields of training.config.layout.Layout)."""
+    """A parallel layout: any subset of the fields of training.config.layout.Layout.
 
-    tp: int = Field(1, ge=1, le=MAX_DEGREE, description="Tensor parallel degree (inside one node).")
-    pp: int = Field(1, ge=1, le=MAX_DEGREE, description="Pipeline parallel degree.")
-    dp: int = Field(1, ge=1, le=MAX_DEGREE, description="Data parallel degree.")
-    cp: int = Field(1, ge=1, le=MAX_DEGREE, description="Context parallel degree.")
-    ep: int = Field(1, ge=1, le=MAX_DEGREE, description="Expert parallel degree (carved out of dp x cp).")
-    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 0 DDP, 1/2 sharded state, 3 FSDP.")
-    micro_batch_size: int = Field(1, ge=1, le=MAX_DEGREE, description="Sequences per micro-batch.")
-    num_microbatches: int = Field(
-        1, ge=1, le=MAX_DEGREE, description="Micro-batches per step (per DP rank)."
+    Fields left out (or null) are filled in by the planner (service.planner.fill.plan_layout): when
+    Layout's defaults for them already make a layout that runs, those (as always); otherwise the
+    fastest layout that keeps every given field. A combination no layout can keep is refused (422,
+    `parallelism`) with the reason and the nearest layout that works."""
+
+    tp: int | None = Field(None, ge=1, le=MAX_DEGREE, description="Tensor parallel degree (inside one node).")
+    pp: int | None = Field(None, ge=1, le=MAX_DEGREE, description="Pipeline parallel degree.")
+    dp: int | None = Field(None, ge=1, le=MAX_DEGREE, description="Data parallel degree.")
+    cp: int | None = Field(None, ge=1, le=MAX_DEGREE, description="Context parallel degree.")
+    ep: int | None = Field(
+        None, ge=1, le=MAX_DEGREE, description="Expert parallel degree (carved out of dp x cp)."
     )
-    schedule: Literal[SCHEDULES] = Field("none", description="Pipeline schedule; 'none' when pp == 1.")  # type: ignore[valid-type]
-    sequence_parallel: bool = Field(
-        False, description="Shard norms/dropout over the TP group (needs tp > 1)."
+    zero_stage: Literal[0, 1, 2, 3] | None = Field(
+        None, description="ZeRO stage: 0 DDP, 1/2 sharded state, 3 FSDP."
     )
-    recompute: Literal[RECOMPUTE] = Field("none", description="Activation recomputation.")  # type: ignore[valid-type]
-    virtual_stages: int = Field(
-        1, ge=1, le=1024, description="Stages per pipeline rank (interleaved/V schedules)."
+    micro_batch_size: int | None = Field(None, ge=1, le=MAX_DEGREE, description="Sequences per micro-batch.")
+    num_microbatches: int | None = Field(
+        None, ge=1, le=MAX_DEGREE, description="Micro-batches per step (per DP rank)."
+    )
+    schedule: Literal[SCHEDULES] | None = Field(  # type: ignore[valid-type]
+        None, description="Pipeline schedule; 'none' when pp == 1."
+    )
+    sequence_parallel: bool | None = Field(
+        None, description="Shard norms/dropout over the TP group (needs tp > 1)."
+    )
+    recompute: Literal[RECOMPUTE] | None = Field(  # type: ignore[valid-type]
+        None, description="Activation recomputation."
+    )
+    virtual_stages: int | None = Field(
+        None, ge=1, le=1024, description="Stages per pipeline rank (interleaved/V schedules)."
     )
 
-    @model_validator(mode="after")
-    def _check_layout(self) -> LayoutSpec:
-        try:
-            self.to_layout()
-        except LayoutError as e:
-            raise ValueError(str(e).replace("layout.", "parallelism.")) from e
-        return self
+    def given(self) -> dict[str, Any]:
+        """The fields that were given (unset and null ones left out)."""
+        return self.model_dump(exclude_none=True)
 
     def to_layout(self) -> Layout:
-        return Layout(**self.model_dump())
+        """The given fields with Layout's defaults for the rest (LayoutError when that is no layout)."""
+        return Layout(**self.given())
 
 
 def _parallelism_kind(value: Any) -> str:

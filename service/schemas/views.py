@@ -10,6 +10,8 @@ from pydantic import (
     Field,
 )
 
+from service.progress import goodput
+
 if TYPE_CHECKING:
     from service.store.models import Job, JobEvent
 
@@ -34,12 +36,53 @@ class RankPlacementPublic(BaseModel):
     gpu: int = Field(description="GPU index on the node (-1 if Ray did not assign an index).")
 
 
+class Goodput(BaseModel):
+    """Where the job's wall time since submission went, in seconds; the parts add up to it."""
+
+    useful_s: float = Field(0.0, description="Step time of the steps kept.")
+    startup_s: float = Field(0.0, description="From the start of the job's controller to its first step.")
+    queued_s: float = Field(0.0, description="Waiting for GPUs (pending or queued).")
+    restarting_s: float = Field(0.0, description="From a failure to the first step after it.")
+    lost_s: float = Field(
+        0.0, description="Running, but bought nothing kept: steps a restore threw away, time outside steps."
+    )
+    checkpoint_s: float = Field(0.0, description="Saving checkpoints.")
+
+
 class Progress(BaseModel):
     step: int = Field(description="Last completed optimizer step.")
     total_steps: int = Field(description="Steps the job will run.")
     loss: float | None = Field(None, description="Training loss at the last step.")
     tokens_per_s: float | None = Field(None, description="Training throughput.")
-    mfu: float | None = Field(None, description="Measured model FLOPs utilisation.")
+    step_time_s: float | None = Field(None, description="Median wall time of the recent steps.")
+    mfu: float | None = Field(
+        None, description="Model FLOPs utilisation: measured, or the plan's FLOPs over the step time and "
+        "the cluster's peak (the same value as the metric lattice_job_mfu)."
+    )
+    eta_s: float | None = Field(None, description="Seconds until the last step, once steps are timed.")
+    val_loss: float | None = Field(
+        None, description="Loss on the held-out split (data.validation) at its last evaluation."
+    )
+    val_step: int | None = Field(None, description="The step of that evaluation.")
+    goodput: Goodput = Field(default_factory=Goodput)
+
+    @classmethod
+    def from_row(cls, job: Job, now: dt.datetime | None = None) -> Progress:
+        doc = job.progress or {}
+        end = job.finished_at or now or dt.datetime.now(dt.UTC)
+        active = job.state in ("starting", "running", "recovering")
+        return cls(
+            step=job.step,
+            total_steps=job.total_steps,
+            loss=job.loss,
+            tokens_per_s=job.tokens_per_s,
+            step_time_s=doc.get("step_time_s"),
+            mfu=job.mfu,
+            eta_s=doc.get("eta_s") if active else None,
+            val_loss=doc.get("val_loss"),
+            val_step=doc.get("val_step"),
+            goodput=Goodput(**goodput(doc, created=job.created_at.timestamp(), end=end.timestamp())),
+        )
 
 
 class JobPublic(BaseModel):
@@ -55,6 +98,11 @@ class JobPublic(BaseModel):
     spec: dict[str, Any] = Field(description="The normalised JobSpec.")
     plan: dict[str, Any] | None = Field(description="The planner's Plan (layout and its evidence).")
     progress: Progress
+    reason: str = Field(
+        description="Why the job is in its state, e.g. 'queued: needs 4 GPUs, 2 free', 'recovering: "
+        "rank(s) [3] died ... (on r1-n2)', 'running'.",
+        examples=["running"],
+    )
     result: dict[str, Any] | None = Field(description="Outputs of a finished job, e.g. the model digest.")
     placement: list[RankPlacementPublic] | None = Field(
         None, description="Where each rank runs, read back from the rank actors; null before the ranks start."
@@ -77,13 +125,8 @@ class JobPublic(BaseModel):
             version=job.version,
             spec=job.spec,
             plan=job.plan,
-            progress=Progress(
-                step=job.step,
-                total_steps=job.total_steps,
-                loss=job.loss,
-                tokens_per_s=job.tokens_per_s,
-                mfu=job.mfu,
-            ),
+            progress=Progress.from_row(job),
+            reason=job.reason or job.state,
             result=job.result,
             placement=[RankPlacementPublic.model_validate(r) for r in job.placement or []] or None,
             error=job.error,

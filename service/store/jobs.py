@@ -39,7 +39,8 @@ LEGAL_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 TRANSITION_FIELDS = frozenset({"attempt", "error", "result", "plan"})
 # Columns update_progress may set; progress does not bump `version`.
 PROGRESS_FIELDS = frozenset(
-    {"step", "total_steps", "loss", "tokens_per_s", "mfu", "result", "placement", "controller_seq"}
+    {"step", "total_steps", "loss", "tokens_per_s", "mfu", "result", "placement", "controller_seq",
+     "reason", "progress"}
 )
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
@@ -172,6 +173,8 @@ def transition(
     now = utcnow()
     if target == JobState.FAILED and reason and "error" not in values:
         values["error"] = reason
+    # `reason` (why the job is in its state, for people) follows every state change.
+    values["reason"] = f"{target.value}: {reason}"[:2000] if reason else target.value
     if target == JobState.RUNNING and job.started_at is None:
         values["started_at"] = now
     if target in TERMINAL_STATES:
@@ -228,7 +231,7 @@ def list_events(
 
 def update_progress(session: Session, job_id: str, **fields: Any) -> None:
     """Record training progress (step, total_steps, loss, tokens_per_s, mfu, result, placement,
-    controller_seq).
+    controller_seq, reason, the progress document).
 
     Does not bump `version`: progress never races a state change's compare-and-set. A job
     in a terminal state keeps its final progress (the update is ignored).

@@ -10,6 +10,10 @@ from sqlalchemy.orm import Session
 from service.errors import NotFound
 from service.store.models import Node, NodeHealth, utcnow
 
+# A node is quarantined on faults (not a confirmed hardware signal) only when this many different
+# jobs had faults on it: one job's own faults never quarantine a node.
+QUARANTINE_AFTER_JOBS = 2
+
 
 def parse_health(value: str | NodeHealth) -> NodeHealth:
     try:
@@ -52,6 +56,8 @@ def set_node_health(
         raise NotFound(f"node {node_id!r} not found")
     now = utcnow()
     node.health = parse_health(health).value
+    if node.health == NodeHealth.READY.value and fault is None:
+        node.fault_jobs = None  # an operator's "ready" starts the node's fault ledger afresh
     if fault is not None:
         node.fault_count += 1
         node.last_fault = fault
@@ -59,6 +65,29 @@ def set_node_health(
     node.updated_at = now
     session.flush()
     return node
+
+
+def record_node_fault(
+    session: Session, node_id: str, job_id: str, fault: str, *, confirmed: bool = False,
+    quarantine_after_jobs: int = QUARANTINE_AFTER_JOBS,
+) -> Node:
+    """Count a fault of `job_id` on the node (its `fault_jobs` ledger) and set its health: quarantined
+    on a `confirmed` hardware signal or once `quarantine_after_jobs` different jobs had faults on it,
+    otherwise suspect; a stronger state (quarantined, cordoned, dead) is kept."""
+    node = session.get(Node, node_id) or upsert_node(session, node_id)
+    jobs = [str(j) for j in (node.fault_jobs or [])]
+    if job_id not in jobs:
+        node.fault_jobs = [*jobs, job_id]  # a new list: the JSON column sees the change
+    many = len(node.fault_jobs or []) >= quarantine_after_jobs
+    if confirmed or (many and node.health in (NodeHealth.READY.value, NodeHealth.SUSPECT.value)):
+        health = NodeHealth.QUARANTINED.value
+        if not confirmed:
+            fault = f"{fault} (faults from {len(node.fault_jobs or [])} jobs: quarantined)"
+    elif node.health == NodeHealth.READY.value:
+        health = NodeHealth.SUSPECT.value
+    else:
+        health = node.health
+    return set_node_health(session, node_id, health, fault=fault)
 
 
 def get_node(session: Session, node_id: str) -> Node:

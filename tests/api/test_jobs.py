@@ -23,12 +23,19 @@ def test_submit_auto_stores_the_planners_plan(client: TestClient, tokens: dict[s
     job = r.json()
     assert r.headers["location"] == f"/v1/jobs/{job['id']}"
     assert (job["state"], job["tenant"], job["name"], job["version"]) == ("pending", "team-a", "demo", 0)
-    assert job["progress"] == {"step": 0, "total_steps": 30, "loss": None, "tokens_per_s": None, "mfu": None}
+    progress = job["progress"]
+    assert {k: progress[k] for k in ("step", "total_steps", "loss", "tokens_per_s", "mfu")} == {
+        "step": 0, "total_steps": 30, "loss": None, "tokens_per_s": None, "mfu": None}
+    assert progress["step_time_s"] is None and progress["eta_s"] is None
+    assert progress["goodput"]["useful_s"] == 0 and job["reason"] == "pending"  # not started: only queued
     assert job["plan"]["mode"] == "search"
     layout = job["plan"]["layout"]
     assert layout["tp"] * layout["pp"] * layout["dp"] * layout["cp"] == 8  # resources.gpus
     assert job["spec"]["model"] == {"preset": "demo"} and job["spec"]["checkpoint"]["keep"] == 2
-    assert client.get(f"/v1/jobs/{job['id']}", headers=bearer(tokens["a"])).json() == job
+    again = client.get(f"/v1/jobs/{job['id']}", headers=bearer(tokens["a"])).json()
+    # The goodput parts are read at the time of the request: a pending job's queued time grows.
+    later, before = again["progress"].pop("goodput"), job["progress"].pop("goodput")
+    assert again == job and later["queued_s"] >= before["queued_s"]
 
 
 def test_submit_explicit_layout_is_evaluated(client: TestClient, tokens: dict[str, str]) -> None:

@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.api.conftest import bearer
-from tests.api.specs import tiny
+from tests.api.specs import TINY, tiny
 
 # (what is wrong, the spec, the field the problem must name, words the message must contain)
 BAD_SPECS: list[tuple[str, dict[str, Any], str, str]] = [
@@ -29,10 +29,15 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str, str]] = [
     (
         "layout rule",
         tiny(parallelism={"dp": 4, "schedule": "1f1b"}),
-        "parallelism.schedule",
+        "parallelism",
         "must be 'none' when pp == 1",
     ),
-    ("batch mismatch", tiny(parallelism={"dp": 2}), "parallelism", "must equal train.global_batch (4)"),
+    (
+        "batch mismatch",
+        tiny(parallelism={"dp": 2, "micro_batch_size": 1, "num_microbatches": 1}),
+        "parallelism",
+        "must equal train.global_batch (4)",
+    ),
     ("auto misspelt", tiny(parallelism="automatic"), "parallelism", "'auto'"),
     ("unknown field", tiny(colour="blue"), "colour", "unknown field"),
     (
@@ -45,7 +50,12 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str, str]] = [
     ("fault kind", tiny(faults=[{"kind": "meteor", "at_step": 1, "rank": 0}]), "faults[0].kind", "kill_rank"),
     ("NUL in name", tiny(name="a\x00b"), "name", "NUL"),
     ("tokens need a path", tiny(data={"kind": "tokens"}), "data.path", "required"),
-    ("too many GPUs asked", tiny(resources={"gpus": 8}), "parallelism", "resources.gpus"),
+    (
+        "too many GPUs asked",
+        tiny(parallelism={**TINY["parallelism"], "pp": 1, "cp": 1}, resources={"gpus": 8}),
+        "parallelism",
+        "must equal resources.gpus (8)",
+    ),
     (
         "layout the engine refuses",
         tiny(parallelism={"tp": 3, "dp": 1, "micro_batch_size": 4}),

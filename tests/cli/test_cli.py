@@ -91,10 +91,51 @@ def assert_one_line_error(result: Result, *words: str) -> None:
 def test_serve_bootstraps_an_admin_token_for_the_cli(server: Server) -> None:
     token_file = server.home / "token"
     token = token_file.read_text().strip()
-    assert token.startswith("lat_") and token in server.stdout
-    assert token_file.stat().st_mode & 0o777 == 0o600
+    # stdout is a log file here, not a terminal: it says where the token is, never the token.
+    assert token.startswith("lat_") and token not in server.stdout
+    assert f"saved to {token_file} (mode 0600); not printed" in server.stdout
     assert (server.home / "server").read_text().strip() == server.url
     assert httpx.get(f"{server.url}/readyz").json()["status"] == "ready"
+
+
+def test_serve_keeps_its_state_private(server: Server) -> None:
+    home = server.home
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (home, *home.iterdir()) if p.name != "ray"}
+    assert modes["home"] == 0o700 and modes["checkpoints"] == 0o700 and modes["data"] == 0o700
+    for name in ("lattice.db", "lattice.db-wal", "lattice.db-shm", "token", "server"):
+        assert modes[name] == 0o600, (name, oct(modes[name]))
+    assert all(mode & 0o077 == 0 for mode in modes.values()), modes
+
+
+def test_token_list_revoke_and_ttl(server: Server) -> None:
+    made = run(["token", "create", "--tenant", "team-t", "--ttl", "30d", "--description", "ttl"], server.env)
+    assert made.exit_code == 0, made.stderr
+    assert "expires 20" in made.stderr
+    user_token = made.stdout.strip()
+    token_id = int(made.stderr.split()[2])
+    assert run(["--token", user_token, "jobs"], server.env).exit_code == 0  # a use, recorded
+
+    listed = run(["token", "list", "--json"], server.env)
+    assert listed.exit_code == 0, listed.stderr
+    rows = {t["id"]: t for t in json.loads(listed.stdout)}
+    assert rows[token_id]["tenant"] == "team-t" and rows[token_id]["expires_at"] is not None
+    assert rows[token_id]["last_used_at"] is not None and rows[token_id]["status"] == "active"
+    assert user_token not in listed.stdout
+    table = run(["token", "list", "--tenant", "team-t"], server.env)
+    assert table.exit_code == 0 and "team-t" in table.stdout and "active" in table.stdout
+
+    mine = run(["--token", user_token, "token", "list", "--json"], server.env)
+    assert [t["id"] for t in json.loads(mine.stdout)] == [token_id]  # a user sees their tenant only
+    admin_id = next(i for i, t in rows.items() if t["role"] == "admin")
+    assert_one_line_error(run(["--token", user_token, "token", "revoke", str(admin_id)], server.env), "404")
+
+    revoked = run(["token", "revoke", str(token_id)], server.env)
+    assert revoked.exit_code == 0 and f"token {token_id} (team-t, user): revoked at" in revoked.stdout
+    assert_one_line_error(run(["--token", user_token, "jobs"], server.env), "401", "revoked")
+    assert_one_line_error(run(["token", "revoke", "999999"], server.env), "404", "token 999999 not found")
+    for ttl, words in (("3 fortnights", "use a whole number"), ("5s", "1 minute to 10 years")):
+        bad = run(["token", "create", "--tenant", "x", "--ttl", ttl], server.env)
+        assert_one_line_error(bad, "--ttl", words)
 
 
 def test_submit_list_status_events_cancel(server: Server, tmp_path: Path) -> None:

@@ -23,20 +23,25 @@ EXAMPLE_TOKENS_PER_S = 1234.5
 
 
 def set_job(job_id: str, step: int, tokens_per_s: float) -> None:
-    m.JOB_STEP.labels(job_id).set(step)
-    m.JOB_TOKENS_PER_S.labels(job_id).set(tokens_per_s)
-    m.JOB_LOSS.labels(job_id).set(4.2)
-    m.JOB_MFU.labels(job_id).set(0.31)
-    m.JOB_MFU_PREDICTED.labels(job_id).set(0.35)
-    m.JOB_STEP_TIME.labels(job_id).observe(0.2)
-    m.JOB_CHECKPOINT_SECONDS.labels(job_id).set(1.5)
-    m.JOB_CHECKPOINT_BYTES.labels(job_id).set(2.5e8)
-    m.JOB_RESTARTS.labels(job_id, "rank_died").inc()
-    m.JOB_TIME_TO_DETECT.labels(job_id).observe(3.0)
-    m.JOB_TIME_TO_RECOVER.labels(job_id).observe(12.0)
-    m.JOB_STEPS_LOST.labels(job_id).inc(2)
-    m.JOB_GOODPUT.labels(job_id).set(0.9)
-    m.JOB_SDC.labels(job_id)  # exists at 0 while the job is active
+    m.name_job(job_id, f"{job_id}-name", "team-a")
+    labels = m.job_labels(job_id)
+    m.JOB_STEP.labels(*labels).set(step)
+    m.JOB_TOKENS_PER_S.labels(*labels).set(tokens_per_s)
+    m.JOB_LOSS.labels(*labels).set(4.2)
+    m.JOB_MFU.labels(*labels).set(0.31)
+    m.JOB_MFU_PREDICTED.labels(*labels).set(0.35)
+    m.JOB_STEP_TIME.labels(*labels).observe(0.2)
+    m.JOB_CHECKPOINT_SECONDS.labels(*labels).set(1.5)
+    m.JOB_CHECKPOINT_BYTES.labels(*labels).set(2.5e8)
+    m.JOB_RESTARTS.labels(*labels, "rank_died").inc()
+    m.JOB_TIME_TO_DETECT.labels(*labels).observe(3.0)
+    m.JOB_TIME_TO_RECOVER.labels(*labels).observe(12.0)
+    m.JOB_STEPS_LOST.labels(*labels).inc(2)
+    m.JOB_GOODPUT.labels(*labels).set(0.9)
+    for part, seconds in (("useful", 90.0), ("startup", 5.0), ("queued", 2.0), ("restarting", 0.0),
+                          ("lost", 2.0), ("checkpoint", 1.0)):
+        m.JOB_GOODPUT_SECONDS.labels(*labels, part).set(seconds)
+    m.JOB_SDC.labels(*labels)  # exists at 0 while the job is active
 
 
 def fill_cluster() -> None:

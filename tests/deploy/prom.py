@@ -76,11 +76,13 @@ def start_prometheus(
     job_name: str = SCRAPE_JOB,
     scrape_interval: str = "1s",
     rule_files: list[Path] | None = None,
+    job_options: dict[str, object] | None = None,
     startup_timeout_s: float = 30.0,
 ) -> PromServer:
     """Start `prometheus` on a free loopback port with a fresh config and TSDB under `tmp_path`.
 
-    `targets` are host:port pairs serving /metrics, all in one scrape job named `job_name`.
+    `targets` are host:port pairs serving /metrics, all in one scrape job named `job_name`;
+    `job_options` are added to that job (e.g. the `authorization` block of the deploy config).
     Returns once the server answers /-/ready; raises PrometheusError otherwise.
     """
     binary = find_binary("prometheus")
@@ -96,7 +98,12 @@ def start_prometheus(
             "scrape_timeout": scrape_interval,
         },
         "scrape_configs": [
-            {"job_name": job_name, "metrics_path": "/metrics", "static_configs": [{"targets": list(targets)}]}
+            {
+                "job_name": job_name,
+                "metrics_path": "/metrics",
+                "static_configs": [{"targets": list(targets)}],
+                **(job_options or {}),
+            }
         ],
     }
     if rule_files:

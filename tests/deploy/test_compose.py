@@ -20,6 +20,7 @@ SECRETS = {"POSTGRES_PASSWORD": "s3cret-pg", "GRAFANA_ADMIN_PASSWORD": "s3cret-g
 SERVICES = {
     "postgres",
     "migrate",
+    "metrics-token",
     "api",
     "ray-head",
     "ray-worker-r1",
@@ -123,7 +124,7 @@ def test_ray_labels_parse_with_the_installed_ray(resolved: dict) -> None:
 
 def test_lattice_services_share_one_image_built_from_the_dockerfile(raw: dict) -> None:
     services = raw["services"]
-    built = ("migrate", "api", "ray-head", "ray-worker-r1", "ray-worker-r2")
+    built = ("migrate", "metrics-token", "api", "ray-head", "ray-worker-r1", "ray-worker-r2")
     images = {services[n]["image"] for n in built}
     assert len(images) == 1
     for name in built:
@@ -172,3 +173,126 @@ def test_prometheus_targets_are_compose_services(resolved: dict) -> None:
     for target in jobs["ray"]:
         host, port = target.split(":")
         assert f"--metrics-export-port={port}" in resolved["services"][host]["command"], target
+
+
+# ---- exposure: what is published, who reaches Ray, who mounts what (docs/security.md) -------------
+
+RAY_PORTS = {6379, 8265, 10001, 8080}  # GCS, dashboard (Jobs API), Ray client, metrics export
+LOOPBACK = {"127.0.0.1", "::1"}
+
+
+def _published(service: dict) -> list[tuple[str, int]]:
+    """(host address, published port) of every port mapping, in any syntax docker-compose prints."""
+    out = []
+    for port in service.get("ports", []):
+        if isinstance(port, dict):
+            if port.get("published") is not None:
+                out.append((port.get("host_ip") or "0.0.0.0", int(port["published"])))
+            continue
+        parts = str(port).split("/")[0].rsplit(":", 2)
+        if len(parts) == 3:
+            out.append((parts[0].strip("[]") or "0.0.0.0", int(parts[1])))
+        elif len(parts) == 2:
+            out.append(("0.0.0.0", int(parts[0])))
+    return out
+
+
+def _mounts(service: dict) -> dict[str, tuple[str, bool]]:
+    """Container path -> (source volume or path, read-only) of every mount."""
+    out = {}
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str):
+            source, target, *mode = volume.split(":")
+            out[target] = (source, "ro" in mode)
+        else:
+            out[volume["target"]] = (volume["source"], bool(volume.get("read_only")))
+    return out
+
+
+def test_published_port_parser() -> None:
+    assert _published({"ports": ["127.0.0.1:3000:3000/tcp", "8000:8000", {"published": 9, "target": 9}]}) == [
+        ("127.0.0.1", 3000),
+        ("0.0.0.0", 8000),
+        ("0.0.0.0", 9),
+    ]
+    mapping = {"published": 1, "target": 1, "host_ip": "127.0.0.1"}
+    assert _published({"ports": [mapping]}) == [("127.0.0.1", 1)]
+
+
+def test_only_the_api_is_published_beyond_loopback(resolved: dict) -> None:
+    exposed = {
+        (name, port)
+        for name, service in resolved["services"].items()
+        for host, port in _published(service)
+        if host not in LOOPBACK
+    }
+    assert exposed == {("api", 8000)}
+    published = {(n, p) for n, s in resolved["services"].items() for _h, p in _published(s)}
+    # Prometheus (lifecycle API) and Grafana are reachable from the host's loopback
+    assert {("prometheus", 9090), ("grafana", 3000)} <= published
+    for name, service in resolved["services"].items():
+        if name.startswith("ray-"):
+            assert _published(service) == [], f"{name} publishes {service['ports']}"
+        assert not {p for _h, p in _published(service)} & RAY_PORTS, name
+
+
+def test_the_ray_dashboard_listens_on_loopback_inside_its_container(resolved: dict) -> None:
+    command = resolved["services"]["ray-head"]["command"]
+    assert "--dashboard-host=127.0.0.1" in command
+    for name, service in resolved["services"].items():
+        if name.startswith("ray-"):
+            assert not [a for a in service["command"] if "0.0.0.0" in a], name
+
+
+def test_only_the_api_and_prometheus_share_a_network_with_ray(resolved: dict) -> None:
+    networks = {name: set(s.get("networks") or {"default"}) for name, s in resolved["services"].items()}
+    ray_nodes = {n for n in networks if n.startswith("ray-")}
+    for name in ray_nodes:
+        assert networks[name] == {"ray"}, name
+    on_ray = {n for n, nets in networks.items() if "ray" in nets}
+    assert on_ray == ray_nodes | {"api", "prometheus"}
+    assert resolved["services"]["metrics-token"]["network_mode"] == "none"  # it only writes a file
+
+
+def test_probe_is_readiness(resolved: dict) -> None:
+    test = " ".join(resolved["services"]["api"]["healthcheck"]["test"])
+    assert "http://127.0.0.1:8000/readyz" in test and "/metrics" not in test
+
+
+def test_ray_nodes_mount_checkpoints_and_data_not_the_api_home(resolved: dict) -> None:
+    env = resolved["services"]["api"]["environment"]
+    api_mounts = _mounts(resolved["services"]["api"])
+    home_volume = api_mounts[env["LATTICE_HOME"]][0]
+    checkpoints, data = env["LATTICE_CHECKPOINT_ROOT"], env["LATTICE_DATA_ROOT"]
+    assert data == "/var/lib/lattice/data"
+    assert api_mounts[data] == ("data", False) and api_mounts[checkpoints] == ("checkpoints", False)
+    for name, service in resolved["services"].items():
+        if not name.startswith("ray-"):
+            continue
+        mounts = _mounts(service)
+        assert home_volume not in {source for source, _ro in mounts.values()}, name
+        # the same volumes at the same paths as the API (ranks open the paths the API hands them)
+        assert mounts == {checkpoints: ("checkpoints", False), data: ("data", True)}, name
+
+
+def test_metrics_need_the_token_prometheus_sends(resolved: dict) -> None:
+    services = resolved["services"]
+    env = services["api"]["environment"]
+    assert env["LATTICE_METRICS_AUTH"] == "true"
+    token_file = Path(env["LATTICE_METRICS_TOKEN_FILE"])
+    api_mounts, prom_mounts = _mounts(services["api"]), _mounts(services["prometheus"])
+    assert api_mounts[str(token_file.parent)] == ("metrics-token", True)
+    assert prom_mounts[str(token_file.parent)] == ("metrics-token", True)
+    # the one-off service writes that file before the API and Prometheus start
+    writer = services["metrics-token"]
+    assert writer["command"][-1] == str(token_file)
+    assert _mounts(writer)[str(token_file.parent)] == ("metrics-token", False)
+    for name in ("api", "prometheus"):
+        condition = services[name]["depends_on"]["metrics-token"]
+        assert condition == {"condition": "service_completed_successfully"}
+    # Prometheus sends the same file; it reads it through the lattice group (the file is 0640)
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "lattice-api"]
+    assert job["authorization"] == {"type": "Bearer", "credentials_file": str(token_file)}
+    assert services["prometheus"]["user"].split(":")[1] == "10001"
+    assert "--gid 10001" in (ROOT / "deploy" / "Dockerfile").read_text()

@@ -49,6 +49,9 @@ def test_manifests() -> None:
         ("Service", "lattice-api"),
         ("Job", "lattice-migrate"),
         ("PersistentVolumeClaim", "lattice-checkpoints"),
+        ("PersistentVolumeClaim", "lattice-data"),
+        ("PersistentVolumeClaim", "lattice-api-home"),
+        ("NetworkPolicy", "lattice-ray"),
         ("PodMonitor", "lattice-api"),
         ("PodMonitor", "lattice-ray"),
     } == set(DOCS)
@@ -113,7 +116,8 @@ def test_api_deployment_and_service() -> None:
     assert env["LATTICE_PORT"]["value"] == "8000"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["http"] == 8000
-    assert container["readinessProbe"]["httpGet"]["path"] == "/metrics"
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
 
     service = DOCS[("Service", "lattice-api")]["spec"]
     pod_labels = deployment["template"]["metadata"]["labels"]
@@ -150,4 +154,130 @@ def test_volumes_refer_to_existing_claims(where: str) -> None:
         if "persistentVolumeClaim" in volume:
             claim = volume["persistentVolumeClaim"]["claimName"]
             assert ("PersistentVolumeClaim", claim) in DOCS, f"{where}: no claim {claim}"
-            assert "ReadWriteMany" in DOCS[("PersistentVolumeClaim", claim)]["spec"]["accessModes"]
+            if claim in SHARED_CLAIMS:  # mounted by pods on many nodes
+                assert "ReadWriteMany" in DOCS[("PersistentVolumeClaim", claim)]["spec"]["accessModes"]
+
+
+# ---- exposure and isolation (docs/security.md) ---------------------------------------------------
+
+SHARED_CLAIMS = {"lattice-checkpoints", "lattice-data"}
+RAY_POD_LABELS = {"ray.io/cluster": "lattice"}  # KubeRay labels every pod of the RayCluster so
+
+
+def _api_container() -> dict:
+    (container,) = DOCS[("Deployment", "lattice-api")]["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _api_env() -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in _api_container()["env"]}
+
+
+def _ray_pods() -> list[tuple[str, dict, dict]]:
+    return [(w, m, s) for w, m, s in _pod_specs() if w == "ray-head" or w.startswith("rack-")]
+
+
+def _backing(spec: dict, container: dict, path: str) -> tuple[dict, dict]:
+    """(volume, mount) that serves `path` in the container: the mount with the longest prefix."""
+    mounts = [
+        m for m in container.get("volumeMounts", [])
+        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    return volumes[mount["name"]], mount
+
+
+def _claims(spec: dict) -> set[str]:
+    volumes = spec.get("volumes", [])
+    return {v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v}
+
+
+def test_the_api_home_is_on_a_volume_no_ray_pod_mounts() -> None:
+    """The admin token (and the server file) live in LATTICE_HOME: a rank reading them could act as
+    admin. Each is served by a claim that only the API mounts."""
+    env = _api_env()
+    spec = DOCS[("Deployment", "lattice-api")]["spec"]["template"]["spec"]
+    home = env["LATTICE_HOME"]
+    ray_claims = set().union(*(_claims(s) for _w, _m, s in _ray_pods()))
+    assert ray_claims == SHARED_CLAIMS
+    for state in (f"{home}/token", f"{home}/server", f"{home}/lattice.db"):
+        volume, mount = _backing(spec, _api_container(), state)
+        claim = volume["persistentVolumeClaim"]["claimName"]
+        assert claim == "lattice-api-home" and claim not in ray_claims, state
+        assert "subPath" not in mount
+    assert DOCS[("Deployment", "lattice-api")]["spec"]["replicas"] == 1  # so ReadWriteOnce suffices
+
+
+def test_ray_pods_share_checkpoints_and_read_only_data_at_the_api_paths() -> None:
+    env = _api_env()
+    api_spec = DOCS[("Deployment", "lattice-api")]["spec"]["template"]["spec"]
+    data, checkpoints = env["LATTICE_DATA_ROOT"], env["LATTICE_CHECKPOINT_ROOT"]
+    assert data == "/var/lib/lattice/data"
+    for path, claim in ((data, "lattice-data"), (checkpoints, "lattice-checkpoints")):
+        volume, mount = _backing(api_spec, _api_container(), path)
+        assert volume["persistentVolumeClaim"]["claimName"] == claim and mount["mountPath"] == path
+    for where, _meta, spec in _ray_pods():
+        (container,) = spec["containers"]
+        volume, mount = _backing(spec, container, f"{data}/tenant/tokens.bin")
+        assert volume["persistentVolumeClaim"] == {"claimName": "lattice-data", "readOnly": True}, where
+        assert mount["readOnly"] is True and mount["mountPath"] == data, where
+        volume, mount = _backing(spec, container, f"{checkpoints}/job/step_1")
+        assert volume["persistentVolumeClaim"]["claimName"] == "lattice-checkpoints", where
+
+
+def test_the_ray_dashboard_is_not_exposed() -> None:
+    cluster = DOCS[("RayCluster", "lattice")]["spec"]
+    assert cluster["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        assert "0.0.0.0" not in group["rayStartParams"].values()
+        ports = {p["containerPort"] for p in group["template"]["spec"]["containers"][0]["ports"]}
+        assert 8265 not in ports  # no head-service port for the dashboard
+    assert cluster["headGroupSpec"]["serviceType"] == "ClusterIP"
+
+
+def _admits(peer: dict, labels: dict[str, str], same_namespace: bool = True) -> bool:
+    if "podSelector" in peer and "namespaceSelector" not in peer:
+        return same_namespace and peer["podSelector"]["matchLabels"].items() <= labels.items()
+    return False
+
+
+def test_network_policy_admits_only_ray_and_the_api_to_ray_ports() -> None:
+    policy = DOCS[("NetworkPolicy", "lattice-ray")]["spec"]
+    assert "Ingress" in policy["policyTypes"]
+    assert policy["podSelector"] == {"matchLabels": RAY_POD_LABELS}
+    assert DOCS[("RayCluster", "lattice")]["metadata"]["name"] == RAY_POD_LABELS["ray.io/cluster"]
+    api_labels = DOCS[("Deployment", "lattice-api")]["spec"]["template"]["metadata"]["labels"]
+    migrate_labels = DOCS[("Job", "lattice-migrate")]["spec"]["template"]["metadata"]["labels"]
+    cluster = DOCS[("RayCluster", "lattice")]["spec"]
+    ray_labels = {**RAY_POD_LABELS, **cluster["headGroupSpec"]["template"]["metadata"]["labels"]}
+    all_ports = [rule for rule in policy["ingress"] if "ports" not in rule]
+    peers = [peer for rule in all_ports for peer in rule["from"]]
+    # every peer admitted on all ports is a pod selector of this namespace: Ray's pods or the API's
+    assert all(set(peer) == {"podSelector"} for peer in peers)
+    assert any(_admits(p, api_labels) for p in peers)
+    assert any(_admits(p, ray_labels) for p in peers)
+    # not any other pod of Lattice (the migration), not a pod without labels
+    assert not any(_admits(p, migrate_labels) for p in peers)
+    assert not any(_admits(p, {}) for p in peers)
+    # anything else is admitted to the metrics port only
+    for rule in policy["ingress"]:
+        if "ports" in rule:
+            assert rule["ports"] == [{"protocol": "TCP", "port": 8080}]
+    assert cluster["headGroupSpec"]["rayStartParams"]["metrics-export-port"] == "8080"
+
+
+def test_metrics_need_the_token_the_pod_monitor_sends() -> None:
+    env = _api_env()
+    assert env["LATTICE_METRICS_AUTH"] == "true"
+    spec = DOCS[("Deployment", "lattice-api")]["spec"]["template"]["spec"]
+    token_file = env["LATTICE_METRICS_TOKEN_FILE"]
+    volume, mount = _backing(spec, _api_container(), token_file)
+    assert mount["readOnly"] is True
+    secret = volume["secret"]
+    assert secret["defaultMode"] & 0o007 == 0  # not world-readable; fsGroup gives the API the group
+    (endpoint,) = DOCS[("PodMonitor", "lattice-api")]["spec"]["podMetricsEndpoints"]
+    credentials = endpoint["authorization"]["credentials"]
+    assert endpoint["authorization"]["type"] == "Bearer"
+    assert credentials["name"] == secret["secretName"]
+    assert token_file == f"{mount['mountPath']}/{credentials['key']}"

@@ -129,7 +129,7 @@ def assert_succeeded_like_fault_free(snap: dict[str, Any], cfg: RunConfig) -> No
 
 def assert_every_sample_once(result: dict[str, Any], cfg: RunConfig) -> None:
     """The steps that count trained on exactly the fault-free run's samples, each once."""
-    from training.data import make_data_source
+    from training.data.sources import make_data_source
 
     data = result["data_positions"]
     assert data["steps"] == list(range(1, cfg.steps + 1))

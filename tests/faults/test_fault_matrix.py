@@ -66,9 +66,10 @@ def test_matrix(kind, timing, tmp_path, revive_nodes):
     # A straggler is named after straggler_steps late steps, seen by a controller that may lag a
     # loaded machine: two more steps keep a step to resume after the restore.
     cfg = job_cfg(str(tmp_path / "ckpt"), steps=8 if kind == "slow_rank" else 6)
-    # quarantine_after=1: in the matrix every culprit node is quarantined at its first fault (the
-    # default ledger makes a node suspect first; a confirmed SDC quarantines it at once anyway).
-    opts = options(*faults, straggler_steps=2, straggler_lag_s=0.5, quarantine_after=1)
+    # quarantine_after=1, quarantine_jobs=1: in the matrix every culprit node is quarantined at its
+    # first fault (the default ledger makes a node suspect, and quarantines it only on faults from
+    # two jobs; a confirmed SDC quarantines it at once anyway).
+    opts = options(*faults, straggler_steps=2, straggler_lag_s=0.5, quarantine_after=1, quarantine_jobs=1)
     snap = run_job(f"fm-{kind}-{timing}".replace("_", "-"), cfg, opts)
     assert_succeeded_like_fault_free(snap, cfg)
     kept_off_after = "node_dead" if kind == "kill_node" else "node_quarantined"

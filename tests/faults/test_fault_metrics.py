@@ -25,12 +25,12 @@ def _sample(name: str, job_id: str) -> float:
 
 def test_fault_events_become_metrics_and_leave_with_the_job() -> None:
     job = "fm-1"
+    metrics.name_job(job, "fm", "team-a")
     observe_fault_events(job, EVENTS, {"faults": {"goodput": 0.75}})
     assert _sample("lattice_job_time_to_detect_seconds_count", job) == 1
     assert _sample("lattice_job_time_to_detect_seconds_sum", job) == 0.8
     assert _sample("lattice_job_time_to_recover_seconds_sum", job) == 4.2
     assert _sample("lattice_job_steps_lost_total", job) == 2
-    assert _sample("lattice_job_goodput_ratio", job) == 0.75
     observe_fault_events(job, [{"kind": "restore", "steps_lost": 0}, {"kind": "step"}], None)
     assert _sample("lattice_job_steps_lost_total", job) == 2  # nothing lost, nothing counted
     metrics.forget_job(job)

@@ -37,14 +37,23 @@ def test_fault_specs_are_validated_with_the_field_named():
         normalize_faults([{"kind": "kill_rank", "rank": 0, "at_step": 1}, {"kind": "kill_rank", "rank": 0}])
 
 
-def test_node_ledger_suspect_then_quarantined_after_n_faults_or_a_confirmed_sdc():
+def test_node_ledger_suspect_then_quarantined_after_n_faults_from_two_jobs_or_a_confirmed_sdc():
     ledger = NodeLedger(quarantine_after=2)
-    assert ledger.record("a") == "suspect"
-    assert ledger.record("a") == "quarantined"
-    assert ledger.record("a") is None  # stays quarantined
-    assert ledger.record("b", quarantine=True) == "quarantined"
-    assert ledger.record("c", dead=True) == "dead"
+    assert ledger.record("a", job="j1") == "suspect"
+    for _ in range(5):  # one job's faults never quarantine a node under the default ledger
+        assert ledger.record("a", job="j1") is None
+    assert ledger.health["a"] == "suspect" and ledger.fault_jobs["a"] == {"j1"}
+    assert ledger.record("a", job="j2") == "quarantined"  # a second job's fault: two jobs saw it
+    assert ledger.record("a", job="j3") is None  # stays quarantined
+    assert ledger.record("b", job="j1", quarantine=True) == "quarantined"  # a confirmed SDC: at once
+    assert ledger.record("c", job="j1", dead=True) == "dead"
     assert ledger.in_state("quarantined") == {"a", "b"}
+
+
+def test_node_ledger_with_one_job_allowed_quarantines_on_the_count_alone():
+    ledger = NodeLedger(quarantine_after=2, min_jobs=1)
+    assert ledger.record("a", job="j1") == "suspect"
+    assert ledger.record("a", job="j1") == "quarantined"
 
 
 def test_checkpoint_ledger_restores_only_verified_undamaged_steps_and_persists(tmp_path):

@@ -152,10 +152,10 @@ def test_bad_input_is_one_line_on_stderr_and_exit_2(args: list[str], needle: str
 
 def test_a_plans_layout_line_parses_back_to_the_same_layout():
     from service.planner import ClusterSpec, TrainSpec, get_preset, plan
-    from service.planner.layout_text import parse_layout
+    from service.planner.layout_text import parse_layout, parse_layout_fields
     from service.planner.result import describe
 
     p = plan(get_preset("llama3-405b"), TrainSpec(2048, 8192), ClusterSpec("H100-80GB", 16384))
     assert p.layout.virtual_stages > 1
     assert parse_layout(describe(p.layout)) == p.layout
-    assert parse_layout("tp=2,pp=2", num_gpus=8, global_batch=8).dp == 2
+    assert parse_layout_fields("tp=2,pp=2,sp") == {"tp": 2, "pp": 2, "sequence_parallel": True}

@@ -315,7 +315,7 @@ def _trained(seed: int = 0, steps: int = 2) -> tuple[Net, torch.optim.Optimizer]
 def test_round_trip_is_bit_exact_with_rng_and_data_position(tmp_path):
     from training.config.run import DataConfig
     from training.config.spec import ModelSpec
-    from training.data import make_data_source
+    from training.data.sources import make_data_source
 
     ckpt = Checkpointer()
 

@@ -84,7 +84,7 @@ def _ep_groups(layout: Layout) -> list[list[int]]:
 
 def _reference(cfg: RunConfig) -> dict:
     """One process, the whole model, the same objective (module docstring)."""
-    from training.data import make_data_source
+    from training.data.sources import make_data_source
     from training.model.transformer import build_model, cross_entropy_loss
 
     lay, spec = cfg.layout, cfg.model

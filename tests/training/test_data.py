@@ -1,4 +1,4 @@
-"""training.data: deterministic global batches, disjoint DP slices, resumable positions, token files."""
+"""training.data.sources: deterministic global batches, disjoint DP slices, resumable positions, files."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from training.config.run import DataConfig
 from training.config.spec import ModelSpec
-from training.data import (
+from training.data.sources import (
     DataError,
     SyntheticSource,
     TokenFileSource,
@@ -193,8 +193,9 @@ def test_token_file_format_and_errors(tmp_path):
         write_token_file(path, [70000])
     big_vocab = tmp_path / "big.bin"
     write_token_file(big_vocab, [SPEC.vocab + 1] * (SPEC.seq_len * 2))
-    with pytest.raises(DataError, match="token id 65 >= model.vocab"):
+    with pytest.raises(DataError, match=r"token at offset \d+ of 'big.bin' is >= model.vocab \(64\)") as bad:
         _tokens(big_vocab, global_batch=1).batch(0, 0, 1)
+    assert "65" not in str(bad.value)  # the position, never the file's bytes
     short = tmp_path / "short.bin"
     write_token_file(short, list(range(SPEC.seq_len)))
     with pytest.raises(DataError, match="at least seq_len"):

@@ -85,7 +85,7 @@ def _config(case: Case, **kw) -> RunConfig:
 
 def _reference(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[float]]:
     """One process, the whole model, the whole global batch: (initial state, final state, losses)."""
-    from training.data import make_data_source
+    from training.data.sources import make_data_source
     from training.model.transformer import build_model, cross_entropy_loss
 
     model = build_model(cfg.model, cfg.seed)

@@ -9,6 +9,7 @@ filesystem for several)::
         __0_0.distcp ...    DCP data files, written by every rank: model and optimizer tensors
         rng/rank-0.pt ...   each rank's RNG states (torch CPU + CUDA, python `random`, numpy if present)
         meta.json           format, step, world size, time, and the caller's `extra` (data position)
+        model.json          the ModelSpec (``describe``), layout.json the Layout it was saved from
         manifest.json       sha256 + size of every other file; written last
       step-50.tmp/          a save in progress, or one that crashed: ignored by list and load
       step-30.trash/        being deleted (pruned or replaced): ignored
@@ -179,12 +180,15 @@ class Checkpointer:
         *,
         keep: int = 3,
         async_save: bool = False,
+        describe: dict[str, dict[str, Any]] | None = None,
     ) -> CheckpointInfo:
         """Save step ``step`` under ``root/step-<step>/`` (see the module docstring); every rank calls.
 
         ``extra`` must be JSON-serialisable (put the data position there: ``{"data": ds.state_dict()}``).
         ``optimizer`` is one optimizer per model part (or None). With async_save the result has
-        ``committed=False``; ``wait_pending()`` returns the committed info.
+        ``committed=False``; ``wait_pending()`` returns the committed info. ``describe`` maps file
+        names to JSON objects rank 0 writes beside the shards (the train loop: ``model.json``, the
+        ModelSpec, and ``layout.json``, so a checkpoint can be read without its job).
         """
         process_group = self.process_group
         if keep < 1:
@@ -218,6 +222,8 @@ class Checkpointer:
         write_durable(rng_file(tmp, global_rank()), _torch_bytes(rng_state()))
         if group_rank(process_group) == 0:
             write_durable(tmp / META, meta)
+            for name, content in (describe or {}).items():
+                write_durable(tmp / name, json.dumps(content, indent=1, sort_keys=True).encode())
         try:
             if async_save:
                 group = self._async_group(process_group) if is_distributed() else None

@@ -22,10 +22,44 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class ValidationConfig:
+    """A held-out split evaluated every `every_steps` steps (training.data.validation)."""
+
+    path: str | None = None  # a separate token file or shard folder (same dtype as the training data)
+    fraction: float | None = None  # or: this fraction of the training windows (the last ones), held out
+    every_steps: int = 100
+    batches: int = 1  # global batches of held-out samples per evaluation (the same samples each time)
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.fraction is None):
+            raise SpecError("data.validation needs exactly one of path or fraction")
+        if self.fraction is not None and not 0 < self.fraction < 1:
+            raise SpecError(f"data.validation.fraction must be in (0, 1), got {self.fraction}")
+        if self.every_steps < 1:
+            raise SpecError(f"data.validation.every_steps must be >= 1, got {self.every_steps}")
+        if self.batches < 1:
+            raise SpecError(f"data.validation.batches must be >= 1, got {self.batches}")
+
+
+@dataclass(frozen=True)
 class DataConfig:
     kind: str = "synthetic"  # "synthetic" (deterministic task whose loss falls) or "tokens" (uint16 memmap)
-    path: str | None = None  # for kind == "tokens": a nanoGPT-style .bin file of uint16 tokens
+    path: str | None = None  # for kind == "tokens": a token file or a folder of *.bin shards
     seed: int = 0
+    dtype: str = "uint16"  # token width: "uint16" (nanoGPT's .bin) or "uint32" (vocabularies > 65,536)
+    validation: ValidationConfig | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.validation, dict):  # from a job file or RunConfig.from_dict
+            object.__setattr__(self, "validation", ValidationConfig(**self.validation))
+
+
+@dataclass(frozen=True)
+class InitConfig:
+    """Start from these weights instead of the seeded initialisation (the optimizer starts fresh)."""
+
+    path: str  # a Hugging Face export folder (model.safetensors) or a torch one (model.pt), or the file
+    format: str = "hf"  # "hf" or "torch" (training.interop)
 
 
 @dataclass(frozen=True)
@@ -54,6 +88,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     dp_impl: str = "lattice"  # zero_stage 0: "lattice" (training.parallel.ddp.DDP) or "torch" (torch DDP)
+    init_from: InitConfig | None = None  # pretrained weights (model.init_from of the job spec)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -64,6 +99,10 @@ class RunConfig:
             raise SpecError(f"data.kind must be 'synthetic' or 'tokens', got {self.data.kind!r}")
         if self.data.kind == "tokens" and not self.data.path:
             raise SpecError("data.path is required when data.kind is 'tokens'")
+        if self.data.dtype not in ("uint16", "uint32"):
+            raise SpecError(f"data.dtype must be 'uint16' or 'uint32', got {self.data.dtype!r}")
+        if self.init_from is not None and self.init_from.format not in ("hf", "torch"):
+            raise SpecError(f"model.init_from.format must be 'hf' or 'torch', got {self.init_from.format!r}")
 
     @property
     def global_batch(self) -> int:
@@ -85,5 +124,6 @@ class RunConfig:
             data=DataConfig(**(d.pop("data", {}) or {})),
             checkpoint=CheckpointConfig(**(d.pop("checkpoint", {}) or {})),
             integrity=IntegrityConfig(**(d.pop("integrity", {}) or {})),
-            **d,
+            init_from=InitConfig(**d.pop("init_from")) if d.get("init_from") else None,
+            **{k: v for k, v in d.items() if k != "init_from"},
         )

@@ -27,7 +27,7 @@ import torch
 
 from training.config.layout import Layout
 from training.config.run import RunConfig
-from training.data import make_data_source
+from training.data.sources import make_data_source
 from training.integrity.attribution import load_optimizer_state
 from training.integrity.fingerprint import param_fingerprint
 from training.model.transformer import Transformer

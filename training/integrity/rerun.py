@@ -6,6 +6,7 @@ referee (training.integrity.referee). The train loop (training.train) calls it o
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -59,7 +60,7 @@ def rerun_attribution(
     result did not reproduce (transient) or did (persistent). See training.integrity.attribution."""
     first = trainer.last_vote
     trainer.snapshot.restore()  # type: ignore[union-attr]
-    trainer.train_step(step, rerun=True)
+    rerun_loss, _ = trainer.train_step(step, rerun=True)
     rerun_vote = trainer.pending_vote if first is not None else None
     mine: dict[str, Any] = {"rank": trainer.ctx.rank}
     if first is not None and rerun_vote is not None and first.divergent:
@@ -91,9 +92,29 @@ def rerun_attribution(
         culprits = set(shared.ranks)
     evidence["transient"] = transient
     evidence["reproduced"] = not transient
+    evidence["rerun_loss"] = rerun_loss if math.isfinite(rerun_loss) else str(rerun_loss)
+    diverged = diverged_again(shared, found, rerun_loss, results, dist.get_world_size())
+    if diverged is not None:
+        evidence["diverged"] = diverged
     if referee is not None and not transient:
         evidence["referee"] = referee  # the controller asks a spare on a healthy node (workers.referee)
     return IntegrityError(shared.kind, step, sorted(culprits), evidence)
+
+
+def diverged_again(shared: IntegrityError, found: list[tuple], rerun_loss: float,
+                   results: list[dict[str, Any]], world: int) -> dict[str, Any] | None:
+    """A non-finite loss (the global mean, the same on every rank) or a non-finite local gradient
+    norm on every rank, which the re-run from the snapshot reproduced: the training diverged, the
+    same on every replica, so no rank's hardware is to blame (the job's own failure)."""
+    if shared.kind != "nonfinite":
+        return None
+    if not math.isfinite(rerun_loss):
+        return {"what": "loss", "value": str(rerun_loss), "step": shared.step}
+    named = {r for kind, _, ranks, _ in found if kind == "nonfinite" for r in ranks}
+    norms = [res["local"][0] for res in results if "local" in res]
+    if len(named) == world and len(norms) == world and not any(math.isfinite(v) for v in norms):
+        return {"what": "gradient norm", "value": str(norms[0]), "step": shared.step}
+    return None
 
 
 def _maybe_write_referee_snapshot(trainer: RerunnableTrainer, step: int, first: FingerprintVote | None,

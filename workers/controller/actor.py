@@ -67,6 +67,8 @@ class JobController:
             flops_per_token=opts.flops_per_token,
             env_vars=opts.env_vars,
             should_stop=lambda: self._sm.cancel_requested,
+            log_max_bytes=opts.log_max_bytes,
+            log_backups=opts.log_backups,
         )
         self._sm = ControllerStateMachine(
             job_id, run_cfg, group, options=opts, failure_policy=failure_policy,

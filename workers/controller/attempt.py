@@ -17,10 +17,12 @@ class Attempt:
     ckpt_open: int | None = None  # step whose save is under way
     step: int = 0  # the last step reached in this attempt (steps only grow within one)
     integrity: dict[str, Any] | None = None  # the engine's integrity error, recorded once
+    errors: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its `failed` report
     # rank -> (step, 0 stepped | 1 entered the step's collective | 2 entered a checkpoint's)
     markers: dict[int, tuple[int, int]] = field(default_factory=dict)
     failed_since: float | None = None  # ranks failed while others were unresponsive, since
     restored_seen: bool = False  # the ranks' restore has been accounted for
+    restored: int = 0  # the step the ranks restored (0: from scratch)
 
     @classmethod
     def begin(cls, ranks: Collection[Any], now: float) -> Attempt:

@@ -1,6 +1,8 @@
-"""Attribution: which nodes a failure counts against, and what follows for them. Keeps the node
-ledger (suspect, quarantined, dead), the service's health and cordon view, the nodes a restart
-avoids, asks a referee to settle a persistent SDC between two replicas, and chooses between the
+"""Attribution: which nodes a failure counts against, and what follows for them. Only an
+infrastructure fault is attributed (workers.controller.classify: a job error or an unknown failure
+blames nobody). Keeps the node ledger (suspect, quarantined, dead: one job's faults alone never
+quarantine a node unless `quarantine_jobs` is 1), the service's health and cordon view, the nodes a
+restart avoids, asks a referee to settle a persistent SDC between two replicas, and chooses between the
 fast path (replace only the failed ranks) and a full restart."""
 
 from __future__ import annotations
@@ -25,14 +27,17 @@ class Attributor:
         self,
         events: EventLog,
         *,
+        job_id: str = "",
         quarantine_after: int,
+        quarantine_jobs: int = 2,
         fast_path: bool,
         use_referee: bool,
         health: Mapping[str, str] | None = None,
         cordoned: Collection[str] = (),
         referee: Referee | None = None,
     ) -> None:
-        self.nodes = NodeLedger(quarantine_after=quarantine_after)
+        self.job_id = job_id
+        self.nodes = NodeLedger(quarantine_after=quarantine_after, min_jobs=quarantine_jobs)
         self.health: dict[str, str] = dict(health or {})  # the service's health ledger
         self.cordoned: set[str] = set(cordoned)
         self.exclude: set[str] = set()  # nodes the next placement avoids when it can
@@ -54,7 +59,8 @@ class Attributor:
         return self.nodes.in_state("quarantined", "dead") | set(self.cordoned)
 
     def attribute(self, failure: Failure, decision: FailureDecision) -> None:
-        """Report whom `failure` is attributed to and record it against their nodes."""
+        """Report whom the infrastructure fault `failure` is attributed to and record it against
+        their nodes (the caller attributes only failures that blame nodes)."""
         if failure.ranks or failure.nodes:
             transient = failure.evidence.get("evidence", {}).get("transient") if failure.evidence else None
             self._events.emit(EventKind.ATTRIBUTED, f"{failure.kind} attributed to rank(s) "
@@ -69,13 +75,16 @@ class Attributor:
                            dead=failure.kind == FailureKind.NODE_DIED and n in failure.nodes)
 
     def avoid(self, failure: Failure, decision: FailureDecision) -> None:
-        """The nodes the restart stays off: the policy's, and a straggler's own."""
+        """The nodes the restart stays off when it can: the policy's, a straggler's own, and the
+        nodes with `quarantine_after` faults of this job (kept off by this job, not quarantined)."""
         self.exclude = set(decision.exclude_nodes)
         if failure.kind == FailureKind.STRAGGLER:
             self.exclude |= set(failure.nodes)
+        limit = self.nodes.quarantine_after
+        self.exclude |= {n for n, count in self.nodes.faults.items() if count >= limit}
 
     def mark_node(self, node: str, failure: Failure, *, quarantine: bool = False, dead: bool = False) -> None:
-        new = self.nodes.record(node, quarantine=quarantine, dead=dead)
+        new = self.nodes.record(node, job=self.job_id, quarantine=quarantine, dead=dead)
         if new is None:
             return
         count = self.nodes.faults[node]
@@ -83,7 +92,7 @@ class Attributor:
         if quarantine:
             why = "confirmed SDC"
         elif new == "quarantined":
-            why = f"{count} fault(s)"
+            why = f"{count} fault(s) from {len(self.nodes.fault_jobs.get(node, ()))} job(s)"
         self._events.emit(NODE_HEALTH_EVENT[new], f"node {node} is {new} after {why}",
                           NodeHealthChange(node, new, count, str(failure.kind)))
 

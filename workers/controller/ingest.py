@@ -72,8 +72,15 @@ def _read(c: Controller, rank: int, ev: Mapping[str, Any], world: int, now: floa
         attempt.integrity = {k: ev.get(k) for k in ("error_kind", "step", "ranks", "evidence")}
         message = ev.get("message", "integrity check failed")
         c.log.emit(EventKind.INTEGRITY_ERROR, message, **attempt.integrity)
+    elif kind == EventKind.FAILED:
+        # The exception that ended the rank's training: type, message, where, traceback (classify).
+        attempt.errors[rank] = {k: ev.get(k) for k in ("error", "error_types", "origin", "step", "traceback")}
     elif kind == EventKind.FAULT_INJECTED:
         c.injector.fired(rank, ev, attempt.rank_node.get(rank))
+    elif kind == EventKind.VALIDATION and rank == 0:  # the same loss on every rank: report it once
+        step, loss = ev.get("step"), ev.get("loss")
+        c.job.progress.update(val_loss=loss, val_step=step)
+        c.log.emit(EventKind.VALIDATION, f"validation loss {loss} after step {step}", step=step, loss=loss)
     elif kind == EventKind.STARTED and rank == 0:
         c.log.emit(EventKind.RENDEZVOUS, f"process group up ({ev.get('backend')} on {ev.get('device')})",
                    backend=ev.get("backend"), device=ev.get("device"))
@@ -150,13 +157,13 @@ def _on_restored(c: Controller, step: Any) -> None:
     elif dropped:
         books.clock.lost(dropped)
     c.job.progress["step"] = restored
-    c.attempt.step = restored
+    c.attempt.step = c.attempt.restored = restored
 
 
 def _fill_data(c: Controller, restored: int) -> None:
     """Complete the data ledger up to the restored step from the data source's positions."""
     try:
-        from training.data import make_data_source
+        from training.data.sources import make_data_source
 
         cfg = c.run_cfg
         source = make_data_source(cfg.data, cfg.model, cfg.global_batch)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from training.config.run import RunConfig
-from workers.controller import detection, ingest
+from workers.controller import classify, detection, ingest
 from workers.controller.attempt import Attempt
 from workers.controller.attribution import Attributor, Referee
 from workers.controller.eventlog import EventLog
@@ -35,6 +35,7 @@ from workers.placement import PlacementError, place
 from workers.policies import (
     Failure,
     FailureAction,
+    FailureClass,
     FailureKind,
     FailurePolicy,
     HoldLayoutPolicy,
@@ -88,9 +89,11 @@ class ControllerStateMachine:
         ckpts.load()
         self.scrubber = CheckpointScrubber(ckpts, checkpoint_ops, self.log, self.books.clock, wall_clock,
                                            on_damaged=self._request_fresh_checkpoint)
-        self.attributor = Attributor(self.log, quarantine_after=opts.quarantine_after,
-                                     fast_path=opts.fast_path, use_referee=opts.referee, health=health,
-                                     cordoned=cordoned, referee=referee)
+        self.history = classify.FailureHistory()
+        self.attributor = Attributor(self.log, job_id=job_id, quarantine_after=opts.quarantine_after,
+                                     quarantine_jobs=opts.quarantine_jobs, fast_path=opts.fast_path,
+                                     use_referee=opts.referee, health=health, cordoned=cordoned,
+                                     referee=referee)
         self.injector = FaultInjector(opts.faults, worker_group, self.log, self.books.clock, self.scrubber,
                                       wall_clock, node_killer)
 
@@ -114,7 +117,8 @@ class ControllerStateMachine:
             return self.fail(f"controller error in {self.state}: {type(e).__name__}: {e}",
                              traceback.format_exc()[-4000:])
 
-    def fail(self, reason: str, detail: str | None = None) -> Transition | None:
+    def fail(self, reason: str, detail: str | None = None, **evidence: Any) -> Transition | None:
+        """End the job with `reason`; `evidence` (classification, traceback) joins the error event."""
         if self.state.terminal:
             return None
         try:
@@ -123,7 +127,8 @@ class ControllerStateMachine:
             log.exception("job %s: worker group shutdown failed", self.job_id)
             detail = f"{detail or ''}\nshutdown failed: {type(e).__name__}: {e}".strip()
         self.job.reason = reason
-        self.log.emit(EventKind.ERROR, reason, **({"detail": detail} if detail else {}))
+        self.job.traceback = evidence.get("traceback") or self.job.traceback
+        self.log.emit(EventKind.ERROR, reason, **({"detail": detail} if detail else {}), **evidence)
         return self._to(ControllerState.ERRORED, reason)
 
     def request_cancel(self, reason: str = "cancelled by user") -> None:
@@ -278,6 +283,9 @@ class ControllerStateMachine:
             self.wg.request_action("checkpoint")
 
     def _on_failure(self, failure: Failure) -> Transition | None:
+        """Classify the failure (workers.controller.classify), then let the policy decide: a job error
+        fails the job blaming nobody, an unknown one restarts blaming nobody, an infrastructure
+        fault restarts and counts against its nodes; the crash-loop breaker overrides a restart."""
         self.recovery.failure = failure
         attributor = self.attributor
         if failure.kind == FailureKind.STRAGGLER and self.options.straggler_action == "report":
@@ -285,17 +293,31 @@ class ControllerStateMachine:
             for n in failure.nodes:
                 attributor.mark_node(n, failure)
             return None
+        failure = classify.classify(failure, self.attempt, self.history)
+        stalled = classify.note_progress(self.history, self.attempt)
+        report = classify.rank_report(failure, self.attempt) or {}
+        evidence = {"classification": str(failure.failure_class), "classification_reason": failure.why,
+                    **({"traceback": report["traceback"]} if report.get("traceback") else {})}
         incident = self.books.clock.detected(str(failure.kind), self.clocks.wall())
         self.recovery.reached = self.attempt.step or (self.job.progress["step"] or 0)
         detected_by = detection.DETECTED_BY.get(failure.kind, str(failure.kind))
         self.log.emit(EventKind.FAILURE, failure.message,
-                      FailureReport(failure.to_dict(), detected_by, incident["time_to_detect_s"]))
-        if failure.kind == FailureKind.SDC:
-            failure = self.recovery.failure = attributor.ask_referee(failure, self.run_cfg, self.attempt)
+                      FailureReport(failure.to_dict(), detected_by, incident["time_to_detect_s"]),
+                      attempts_without_progress=stalled, **evidence)
+        if failure.kind == FailureKind.SDC and failure.blames_nodes:
+            refereed = attributor.ask_referee(failure, self.run_cfg, self.attempt)
+            failure = dataclasses.replace(refereed, classification=failure.classification, why=failure.why)
+        self.recovery.failure = failure
         decision = self.policies.failure.decide(failure, self.job.restarts)
-        attributor.attribute(failure, decision)
+        crash_loop = classify.crash_loop_reason(self.history, self.options.crash_loop_attempts, failure)
+        if crash_loop is not None and decision.action == FailureAction.RETRY:
+            decision = dataclasses.replace(decision, action=FailureAction.RAISE, reason=crash_loop)
+        if failure.blames_nodes:
+            attributor.attribute(failure, decision)
         if decision.action == FailureAction.RAISE:
-            return self.fail(decision.reason)
+            if failure.failure_class == FailureClass.JOB_ERROR:
+                self.log.emit(EventKind.JOB_ERROR, decision.reason, failure=failure.to_dict(), **evidence)
+            return self.fail(decision.reason, **evidence)
         attributor.avoid(failure, decision)
         self.recovery.fast_ranks = attributor.fast_path_ranks(failure)
         return self._to(ControllerState.RECOVERING, decision.reason)
@@ -390,6 +412,7 @@ class ControllerStateMachine:
                 "placement": [dict(r) for r in job.placement],
                 "result": dict(job.result) if job.result else None,
                 "reason": job.reason,
+                "traceback": job.traceback,
                 "restarts": job.restarts,
                 "layout": self.run_cfg.layout.to_dict(),
                 "suspect_nodes": self.suspect_nodes,

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.logs import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from workers.rank import DEFAULT_TRAIN_FN
 
 
@@ -29,8 +30,12 @@ class ControllerOptions:
     # after a restart until it has fired.
     faults: tuple[Mapping[str, Any], ...] = ()
     env_vars: Mapping[str, str] = field(default_factory=dict)
+    log_max_bytes: int = DEFAULT_MAX_BYTES  # each rank's log file per attempt (workers.logs)...
+    log_backups: int = DEFAULT_BACKUPS  # ...and the rotated files kept beside it
     fast_path: bool = True  # replace only dead/hung ranks, keeping the others' processes
-    quarantine_after: int = 3  # faults on one node before it is quarantined
+    quarantine_after: int = 3  # faults on one node before it is quarantined...
+    quarantine_jobs: int = 2  # ...from this many different jobs (this controller sees one: never)
+    crash_loop_attempts: int = 3  # fail a job with no new completed step in this many attempts in a row
     straggler_lag_s: float = 1.0  # last arrival at the step's collective this much behind the first...
     straggler_factor: float = 2.0  # ...and this many median step times...
     straggler_steps: int = 3  # ...this many steps in a row: a straggler

@@ -21,6 +21,7 @@ class JobRecord:
     placement: list[dict[str, Any]] = field(default_factory=list)
     result: dict[str, Any] | None = None
     reason: str | None = None  # why the job ended or waits
+    traceback: str | None = None  # the failing rank's last traceback (bounded), once the job failed
     restarts: int = 0
     cancel_reason: str | None = None  # set by a cancel request, acted on by the loop
 

@@ -46,7 +46,10 @@ class NodePublic(BaseModel):
     cordoned: bool = Field(description="An admin cordoned it: it keeps its health but gets no new ranks.")
     schedulable: bool = Field(description="May receive new ranks: alive, ready or suspect, not cordoned.")
     fault_count: int
-    last_fault: str | None
+    last_fault: str | None = Field(
+        description="The latest fault counted against the node (admin tokens only: it can name other "
+        "tenants' jobs; null for user tokens)."
+    )
 
 
 class RackPublic(BaseModel):
@@ -75,7 +78,7 @@ def _live(request: Request) -> tuple[Topology | None, ClusterLedger | None]:
     return view() if callable(view) else (None, None)
 
 
-def _node_from_row(row: Node, live: NodeInfo | None) -> NodePublic:
+def _node_from_row(row: Node, live: NodeInfo | None, *, admin: bool = True) -> NodePublic:
     cordoned = row.health == NodeHealth.CORDONED.value
     health = uncordoned_health(row) if cordoned else row.health
     if live is not None and not live.alive:
@@ -87,7 +90,7 @@ def _node_from_row(row: Node, live: NodeInfo | None) -> NodePublic:
         hostname=row.hostname, gpus_total=row.gpus,
         gpus_free=(live.gpus_free if live.alive else 0) if live is not None else None,
         alive=alive, health=health, cordoned=cordoned,  # type: ignore[arg-type]
-        schedulable=schedulable, fault_count=row.fault_count, last_fault=row.last_fault,
+        schedulable=schedulable, fault_count=row.fault_count, last_fault=row.last_fault if admin else None,
     )
 
 
@@ -103,7 +106,7 @@ def get_cluster(
     topology, _ = _live(request)
     live = _live_by_name(topology)
     rows = store.list_nodes(session)
-    nodes = [_node_from_row(r, live.get(r.id)) for r in rows]
+    nodes = [_node_from_row(r, live.get(r.id), admin=principal.is_admin) for r in rows]
     racks: dict[str, list[NodePublic]] = {}
     for n in nodes:
         racks.setdefault(n.rack, []).append(n)

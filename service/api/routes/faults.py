@@ -57,7 +57,8 @@ class FaultAccepted(BaseModel):
     response_model=FaultAccepted,
     summary="Inject a fault (admin, testing only)",
     description="Arms a fault in a running job: kill_rank, kill_node, hang_rank, slow_rank, bitflip or "
-    "corrupt_checkpoint, at step `at_step` (a step already passed fires at the next one). Needs an admin "
+    "corrupt_checkpoint, at step `at_step` (a step already passed fires at the next one; unset = the "
+    "job's next step). Needs an admin "
     "token and LATTICE_FAULT_INJECTION=true.",
     responses=problem_responses(401, 403, 404, 409, 422, 503),
 )
@@ -77,7 +78,15 @@ def inject_fault(
     if str(job.state) not in ACTIVE_STATES:
         raise Conflict(f"job {job_id} is {job.state}; faults can only be injected into a job that is "
                        f"{', '.join(ACTIVE_STATES)}")
-    return FaultAccepted(job_id=job_id, fault=send_fault(job_id, fault.model_dump(exclude_none=True)))
+    body = fault.model_dump(exclude_none=True)
+    if fault.at_step is None:
+        body["at_step"] = next_step(job.step)
+    return FaultAccepted(job_id=job_id, fault=send_fault(job_id, body))
+
+
+def next_step(current: int | None) -> int:
+    """The step a fault without `at_step` fires after: the one the job runs next."""
+    return (current or 0) + 1
 
 
 def send_fault(job_id: str, fault: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
+from pathlib import Path
+from typing import Annotated
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from service import metrics, store
+from service.api.deps import SettingsDep, principal_for_token
 from service.api.problems import problem_responses
-from service.errors import ServiceUnavailable
+from service.errors import Forbidden, ServiceUnavailable, Unauthorized
 from service.schemas import Health, Readiness
 from service.store import migrate
 from service.store.models import JobState
@@ -22,7 +27,8 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz", response_model=Health, summary="Liveness")
-def healthz() -> Health:
+async def healthz() -> Health:
+    """On the event loop itself: never waits for the database or a worker thread."""
     return Health(status="ok")
 
 
@@ -44,15 +50,51 @@ def readyz(request: Request) -> Readiness:
     return Readiness(status="ready", database="ok", migration=revision)
 
 
+_scrape_bearer = HTTPBearer(
+    auto_error=False, description="With LATTICE_METRICS_AUTH: an admin token or the metrics scrape token."
+)
+
+
+def _scrape_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        text = path.read_text().strip()
+    except OSError as e:
+        log.warning("metrics: cannot read the scrape token file %s: %s", path, e.strerror or e)
+        return None
+    return text.splitlines()[0].strip() if text else None
+
+
+def require_metrics_access(
+    request: Request,
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_scrape_bearer)],
+) -> None:
+    """With `metrics_auth` on, /metrics (every tenant's jobs) needs the scrape token or an admin token."""
+    if not settings.metrics_auth or not settings.auth_enabled:
+        return
+    if credentials is None or not credentials.credentials:
+        raise Unauthorized("/metrics needs a bearer token: send the header 'Authorization: Bearer <token>'")
+    given = credentials.credentials
+    scrape = _scrape_token(settings.metrics_token_file)
+    if scrape is not None and hmac.compare_digest(given.encode(), scrape.encode()):
+        return
+    if not principal_for_token(request, given).is_admin:
+        raise Forbidden("/metrics needs an admin token or the scrape token of LATTICE_METRICS_TOKEN_FILE")
+
+
 @router.get(
     "/metrics",
     summary="Prometheus metrics",
     response_class=Response,
+    dependencies=[Depends(require_metrics_access)],
     responses={
         200: {
             "description": "Prometheus text exposition.",
             "content": {"text/plain": {"schema": {"type": "string"}}},
-        }
+        },
+        **problem_responses(401, 403),
     },
 )
 def prometheus_metrics(request: Request) -> Response:

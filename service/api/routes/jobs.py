@@ -53,7 +53,7 @@ SPEC_EXAMPLES = {
             "description": "Replay of an earlier submit with the same Idempotency-Key and body.",
             "model": JobPublic,
         },
-        **problem_responses(401, 409, 422),
+        **problem_responses(401, 403, 409, 413, 422, 503),
     },
 )
 def submit_job(
@@ -76,7 +76,7 @@ def submit_job(
 
 
 @router.get(
-    "", response_model=JobPage, summary="List jobs, newest first", responses=problem_responses(401, 422)
+    "", response_model=JobPage, summary="List jobs, newest first", responses=problem_responses(401, 422, 503)
 )
 def list_jobs(
     session: ReadSessionDep,
@@ -101,7 +101,10 @@ def list_jobs(
 
 
 @router.get(
-    "/{job_id}", response_model=JobPublic, summary="Get a job", responses=problem_responses(401, 404, 422)
+    "/{job_id}",
+    response_model=JobPublic,
+    summary="Get a job",
+    responses=problem_responses(401, 404, 422, 503),
 )
 def get_job(job_id: JobId, session: ReadSessionDep, principal: CurrentPrincipal) -> JobPublic:
     return JobPublic.from_row(operations.visible_job(session, principal, job_id))

@@ -1,7 +1,7 @@
-"""POST /v1/plans: plan a parallel layout (search), or predict a given one (evaluate).
+"""POST /v1/plans: plan a parallel layout (search), fill in a partial one, or predict a given one.
 
-Thin: the body becomes a ModelSpec / TrainSpec / ClusterSpec (and a Layout in evaluate mode), the
-planner answers with a Plan. Errors:
+Thin: the body becomes a ModelSpec / TrainSpec / ClusterSpec (and the given layout fields), and
+service.planner.plan_layout answers with a Plan, as for a job's `parallelism`. Errors:
   - a body that does not match the schema -> FastAPI's RequestValidationError (422);
   - values the planner rejects (unknown GPU or preset, heads not divisible, a model that fits
     nowhere, an impossible layout) -> HTTPException(422, detail="<field>: <what is allowed>").
@@ -17,7 +17,7 @@ from typing import Any, Literal
 import fastapi
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.planner import ClusterSpec, Layout, PlannerError, TrainSpec, evaluate, get_preset, plan
+from service.planner import ClusterSpec, LayoutRefused, PlannerError, TrainSpec, get_preset, plan_layout
 from training.config.layout import LayoutError
 from training.config.spec import ModelSpec, SpecError
 
@@ -56,20 +56,22 @@ class ClusterIn(BaseModel):
 
 
 class LayoutIn(BaseModel):
+    """Any subset of Layout's fields; the planner fills in the rest (service.planner.plan_layout)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    tp: int = Field(1, ge=1, le=1 << 20)
-    pp: int = Field(1, ge=1, le=1 << 20)
-    dp: int = Field(1, ge=1, le=1 << 20)
-    cp: int = Field(1, ge=1, le=1 << 20)
-    ep: int = Field(1, ge=1, le=1 << 20)
-    zero_stage: int = Field(0, ge=0, le=3)
-    micro_batch_size: int = Field(1, ge=1, le=1 << 24)
-    num_microbatches: int = Field(1, ge=1, le=1 << 24)
-    schedule: str = Field("none", max_length=64)
-    sequence_parallel: bool = False
-    recompute: str = Field("none", max_length=32)
-    virtual_stages: int = Field(1, ge=1, le=4096)
+    tp: int | None = Field(None, ge=1, le=1 << 20)
+    pp: int | None = Field(None, ge=1, le=1 << 20)
+    dp: int | None = Field(None, ge=1, le=1 << 20)
+    cp: int | None = Field(None, ge=1, le=1 << 20)
+    ep: int | None = Field(None, ge=1, le=1 << 20)
+    zero_stage: int | None = Field(None, ge=0, le=3)
+    micro_batch_size: int | None = Field(None, ge=1, le=1 << 24)
+    num_microbatches: int | None = Field(None, ge=1, le=1 << 24)
+    schedule: str | None = Field(None, max_length=64)
+    sequence_parallel: bool | None = None
+    recompute: str | None = Field(None, max_length=32)
+    virtual_stages: int | None = Field(None, ge=1, le=4096)
 
 
 class PlanRequest(BaseModel):
@@ -83,7 +85,11 @@ class PlanRequest(BaseModel):
     zero_stages: list[int] | None = Field(
         None, min_length=1, max_length=4, description="stages the search may use"
     )
-    layout: LayoutIn | None = Field(None, description="evaluate this layout instead of searching")
+    layout: LayoutIn | None = Field(
+        None,
+        description="keep these layout fields (any subset); the planner fills in the rest, or evaluates "
+        "the layout when it runs as given",
+    )
     top_k: int = Field(5, ge=0, le=50)
 
 
@@ -110,16 +116,16 @@ def plan_from_request(body: PlanRequest) -> dict[str, Any]:
     )
     c = body.cluster
     cluster = ClusterSpec(c.gpu_type, c.num_gpus, c.gpus_per_node, c.nodes_per_rack, c.oversubscription)
-    if body.layout is not None:
-        layout = Layout(**body.layout.model_dump())
-        return evaluate(model, train, cluster, layout, compare_with_search=False).to_dict()
+    given = body.layout.model_dump(exclude_none=True) if body.layout is not None else None
     zero_stages = tuple(body.zero_stages) if body.zero_stages is not None else (0, 1, 2, 3)
-    return plan(model, train, cluster, zero_stages=zero_stages, top_k=body.top_k).to_dict()
+    return plan_layout(model, train, cluster, given, zero_stages=zero_stages, top_k=body.top_k).to_dict()
 
 
 @router.post("/v1/plans", summary="Plan a parallel layout (or evaluate one) for a model on a cluster")
 def create_plan(body: PlanRequest) -> dict[str, Any]:
     try:
         return plan_from_request(body)
+    except LayoutRefused as e:
+        raise fastapi.HTTPException(status_code=422, detail=f"layout: {e}") from e
     except (PlannerError, SpecError, LayoutError) as e:
         raise fastapi.HTTPException(status_code=422, detail=str(e)) from e

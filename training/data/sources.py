@@ -18,19 +18,22 @@ Kinds (``DataConfig.kind``):
   ``H = -q ln q - (V - 1) (p / V) ln(p / V)`` with ``q = 1 - p + p / V`` (entropy of the next-token
   distribution), about 0.9 nats for ``V = 256``; a small transformer gets most of the way within
   ~20 AdamW steps. It is an infinite stream: the epoch is always 0.
-- ``"tokens"``: nanoGPT's format, a flat file of little-endian uint16 token ids (what
-  ``np.memmap(path, dtype=np.uint16)`` reads), memory-mapped here with ``mmap`` + ``torch.frombuffer``
-  (numpy is not required). Samples are the non-overlapping windows of ``seq_len + 1`` tokens at
-  offsets ``k * seq_len``; epoch ``e`` visits all windows in the order of a permutation seeded by
-  (seed, e), so no window repeats within an epoch.
+- ``"tokens"``: flat files of little-endian token ids, ``data.dtype`` uint16 (nanoGPT's format,
+  what ``np.memmap(path, dtype=np.uint16)`` reads) or uint32; ``data.path`` is one file or a folder
+  of ``*.bin`` shards read in name order (training.data.token_files), memory-mapped here with ``mmap`` +
+  ``torch.frombuffer``. Samples are the non-overlapping windows of ``seq_len + 1`` tokens at
+  offsets ``k * seq_len`` of each shard, numbered shard after shard; epoch ``e`` visits all windows
+  in the order of a permutation seeded by (seed, e), so no window repeats within an epoch.
 
 Each sample is ``seq_len + 1`` tokens; ``inputs = sample[:-1]``, ``targets = sample[1:]``.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import hashlib
+import itertools
 import logging
 import math
 import mmap
@@ -44,6 +47,7 @@ import torch
 
 from training.config.run import DataConfig
 from training.config.spec import ModelSpec
+from training.data.token_files import TokenFileError, shard_tokens, token_files, windows_per_shard
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +104,10 @@ class DataSource(ABC):
 
     def epoch_of(self, sample: int) -> int:
         return 0
+
+    def samples(self, indices: list[int]) -> torch.Tensor:
+        """(len(indices), seq_len + 1) tokens of the given sample indices (validation reads these)."""
+        return self._samples(indices)
 
     # -- batches ---------------------------------------------------------------------------------
     def positions(self, step: int, dp_rank: int, dp_size: int) -> list[int]:
@@ -224,52 +232,75 @@ class SyntheticSource(DataSource):
 
 
 class TokenFileSource(DataSource):
-    """Windows of a memory-mapped nanoGPT uint16 token file, a seeded permutation per epoch."""
+    """Windows of memory-mapped token files (training.data.token_files: one file or a folder of shards,
+    uint16 or uint32), a seeded permutation of all windows per epoch."""
 
     kind = "tokens"
-    _FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of the file: cheap identity for big files
+    _FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of a file: cheap identity for big files
 
-    def __init__(self, path: str, seed: int, seq_len: int, vocab: int, global_batch: int) -> None:
+    def __init__(self, path: str, seed: int, seq_len: int, vocab: int, global_batch: int,
+                 dtype: str = "uint16", holdout: float = 0.0) -> None:
         super().__init__(seed, seq_len, vocab, global_batch)
-        self.path = os.fspath(path)
+        self.path, self.dtype, self.holdout = os.fspath(path), dtype, holdout
         try:
-            size = os.path.getsize(self.path)
-            with open(self.path, "rb") as f:
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-        except OSError as e:
-            raise DataError(f"data.path {self.path!r} cannot be read: {e}") from e
-        if size % 2 != 0:
-            raise DataError(f"data.path {self.path!r} has {size} bytes; a uint16 token file has an even size")
-        self.n_tokens = size // 2
-        self.n_windows = (self.n_tokens - 1) // seq_len if self.n_tokens else 0
+            self.files = token_files(self.path)
+            counts = shard_tokens(self.files, dtype)
+        except TokenFileError as e:
+            raise DataError(str(e)) from e
+        self._mmaps: list[mmap.mmap | None] = []
+        self._shards: list[torch.Tensor] = []
+        for f, n in zip(self.files, counts, strict=True):
+            try:
+                with open(f, "rb") as fh:
+                    m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if n else None
+            except OSError as e:
+                raise DataError(f"data.path {f!r} cannot be read") from e  # no OS error text: no oracle
+            self._mmaps.append(m)
+            self._shards.append(_token_view(m, dtype))
+        self.n_tokens = sum(counts)
+        windows = windows_per_shard(counts, seq_len)
+        self._first_window = list(itertools.accumulate(windows, initial=0))  # of each shard
+        self.n_windows = self._first_window[-1]
         if self.n_windows < 1:
             raise DataError(
                 f"data.path {self.path!r} holds {self.n_tokens} tokens; "
-                f"at least seq_len + 1 = {seq_len + 1} are needed"
+                f"at least seq_len + 1 = {seq_len + 1} are needed in one file"
             )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we never write through it
-            self._tokens = torch.frombuffer(self._mmap, dtype=torch.uint16)  # (n_tokens,), no copy
+        # data.validation.fraction: the last windows are held out, never trained on (data/validation.py).
+        self.n_heldout = math.ceil(holdout * self.n_windows) if holdout > 0 else 0
+        if self.n_heldout >= self.n_windows:
+            raise DataError(f"data.validation.fraction ({holdout}) leaves none of the {self.n_windows} "
+                            f"windows of data.path {self.path!r} for training")
+        self.n_windows -= self.n_heldout  # training windows: [0, n_windows)
         self._perms: dict[int, torch.Tensor] = {}
         self._fingerprint: str | None = None
 
     @property
     def memory_mapped(self) -> bool:
-        """The tokens are read through a memory map of the file, not loaded into memory."""
-        return isinstance(self._mmap, mmap.mmap)
+        """The tokens are read through memory maps of the files, not loaded into memory."""
+        return all(isinstance(m, mmap.mmap) for m in self._mmaps if m is not None)
 
     def fingerprint(self) -> str:
         if self._fingerprint is None:
-            assert self._mmap is not None
-            h = hashlib.sha256(f"tokens-uint16-v1 n={self.n_tokens} seq_len={self.seq_len}".encode())
             span = self._FINGERPRINT_SPAN
-            h.update(self._mmap[:span])
-            h.update(self._mmap[max(0, len(self._mmap) - span):])
+            if len(self.files) == 1 and self.dtype == "uint16":  # the format of a single nanoGPT file
+                h = hashlib.sha256(f"tokens-uint16-v1 n={self.n_tokens} seq_len={self.seq_len}".encode())
+            else:
+                names = [os.path.basename(f) for f in self.files]
+                h = hashlib.sha256(f"tokens-{self.dtype}-v2 files={names} seq_len={self.seq_len}".encode())
+            if self.n_heldout:
+                h.update(f"heldout={self.n_heldout}".encode())
+            for m in self._mmaps:
+                if m is not None:
+                    h.update(m[:span])
+                    h.update(m[max(0, len(m) - span):])
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
     def describe(self) -> str:
-        return f"{super().describe()}, {self.path} ({self.n_tokens} tokens, {self.n_windows} windows)"
+        files = f"{len(self.files)} {self.dtype} files" if len(self.files) > 1 else self.dtype
+        counts = f"{self.n_tokens} tokens, {self.n_windows} windows"
+        return f"{super().describe()}, {self.path} ({files}, {counts})"
 
     def epoch_of(self, sample: int) -> int:
         return sample // self.n_windows
@@ -285,19 +316,43 @@ class TokenFileSource(DataSource):
         return perm
 
     def window_of(self, sample: int) -> int:
-        """Index k of the window (tokens [k * seq_len, k * seq_len + seq_len + 1)) read as sample g."""
+        """Global index k of the window read as sample g (shard by shard, in file order)."""
         return int(self._permutation(self.epoch_of(sample))[sample % self.n_windows])
+
+    def window_tokens(self, window: int) -> torch.Tensor:
+        """(seq_len + 1,) int64 tokens of global window `window`."""
+        shard = bisect.bisect_right(self._first_window, window) - 1
+        offset = (window - self._first_window[shard]) * self.seq_len
+        return self._shards[shard][offset: offset + self.seq_len + 1].to(torch.int64) & _ID_MASK[self.dtype]
 
     def _samples(self, indices: list[int]) -> torch.Tensor:
         out = torch.empty(len(indices), self.seq_len + 1, dtype=torch.int64)
         for row, g in enumerate(indices):
-            offset = self.window_of(g) * self.seq_len
-            out[row] = self._tokens[offset: offset + self.seq_len + 1].to(torch.int64)
+            out[row] = self.window_tokens(self.window_of(g))
         if out.numel() and int(out.max()) >= self.vocab:
+            # Name the position, never the value: the message must not echo the file's bytes.
+            row, col = (int(i) for i in (out >= self.vocab).nonzero()[0])
+            window = self.window_of(indices[row])
+            shard = bisect.bisect_right(self._first_window, window) - 1
+            offset = (window - self._first_window[shard]) * self.seq_len + col
             raise DataError(
-                f"data.path {self.path!r} holds token id {int(out.max())} >= model.vocab ({self.vocab})"
+                f"data.path {self.path!r}: the token at offset {offset} of "
+                f"{os.path.basename(self.files[shard])!r} is >= model.vocab ({self.vocab}); "
+                f"check the file with `lattice data check {self.path} --vocab {self.vocab}`"
             )
         return out
+
+
+_ID_MASK = {"uint16": 0xFFFF, "uint32": 0xFFFFFFFF}
+
+
+def _token_view(buffer: mmap.mmap | None, dtype: str) -> torch.Tensor:
+    """(n_tokens,) view of a mapped file, no copy; uint32 is read as int32 and masked on use."""
+    if buffer is None:
+        return torch.empty(0, dtype=torch.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we never write through it
+        return torch.frombuffer(buffer, dtype=torch.uint16 if dtype == "uint16" else torch.int32)
 
 
 def make_data_source(cfg: DataConfig, model: ModelSpec, global_batch: int) -> DataSource:
@@ -307,21 +362,29 @@ def make_data_source(cfg: DataConfig, model: ModelSpec, global_batch: int) -> Da
     if cfg.kind == "tokens":
         if not cfg.path:
             raise DataError("data.path is required when data.kind is 'tokens'")
-        return TokenFileSource(cfg.path, cfg.seed, model.seq_len, model.vocab, global_batch)
+        val = cfg.validation
+        return TokenFileSource(cfg.path, cfg.seed, model.seq_len, model.vocab, global_batch,
+                               dtype=cfg.dtype, holdout=(val.fraction or 0.0) if val is not None else 0.0)
     raise DataError(f"data.kind must be 'synthetic' or 'tokens', got {cfg.kind!r}")
 
 
-def write_token_file(path: str | os.PathLike[str], tokens: Any) -> int:
-    """Write token ids (a tensor, numpy array or sequence of ints in [0, 65535]) in nanoGPT's
-    uint16 format; returns the number of tokens. For tests and demos."""
-    if sys.byteorder != "little":  # nanoGPT files are little-endian uint16
+def write_token_file(path: str | os.PathLike[str], tokens: Any, dtype: str = "uint16") -> int:
+    """Write token ids (a tensor, numpy array or sequence of ints) as a flat little-endian
+    `dtype` file (uint16: nanoGPT's format); returns the number of tokens. For tests and demos."""
+    if sys.byteorder != "little":  # token files are little-endian
         raise DataError("write_token_file supports little-endian hosts only")
-    if hasattr(tokens, "astype"):  # numpy array: avoid relying on torch's numpy uint16 bridge
+    if dtype not in _ID_MASK:
+        raise DataError(f"dtype must be one of {sorted(_ID_MASK)}, got {dtype!r}")
+    if hasattr(tokens, "astype"):  # numpy array: avoid relying on torch's numpy unsigned bridge
         tokens = tokens.astype("int64").tolist()
     t = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) > 0xFFFF):
-        raise DataError(f"token ids must be in [0, 65535], got range [{int(t.min())}, {int(t.max())}]")
-    data = t.to(torch.int32).to(torch.uint16).contiguous()  # (n,) little-endian uint16
+    top = _ID_MASK[dtype]
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) > top):
+        raise DataError(f"token ids must be in [0, {top}], got range [{int(t.min())}, {int(t.max())}]")
+    if dtype == "uint16":
+        data, width = t.to(torch.int32).to(torch.uint16).contiguous(), 2  # (n,)
+    else:
+        data, width = torch.where(t > 0x7FFFFFFF, t - (1 << 32), t).to(torch.int32).contiguous(), 4
     with open(path, "wb") as f:
-        f.write(ctypes.string_at(data.data_ptr(), 2 * data.numel()))
+        f.write(ctypes.string_at(data.data_ptr(), width * data.numel()))
     return int(t.numel())
