@@ -13,6 +13,7 @@ from service import store
 from service.errors import ConcurrentUpdate, IllegalTransition, JobNotFound
 from service.planner import (
     ClusterSpec,
+    Plan,
     PlannerError,
     TrainSpec,
     flops_per_token,
@@ -22,7 +23,7 @@ from service.planner import (
 )
 from service.schemas import JobSpec
 from service.settings import Settings
-from service.store.models import Job, JobState
+from service.store.models import JobState
 from training.config.layout import Layout
 from workers.client import ControllerOptions
 from workers.topology import Topology
@@ -32,22 +33,26 @@ log = logging.getLogger(__name__)
 
 def admit_pending(sf: sessionmaker[Session], rsf: sessionmaker[Session], settings: Settings,
                   topology: Topology) -> None:
-    """Move every pending job to the queue, or fail it when no plan fits the live cluster."""
+    """Move every pending job to the queue, or fail it when no plan fits the live cluster.
+
+    Planning runs between two transactions, never inside one: a large search takes seconds of CPU,
+    and on SQLite a write transaction holds the database's only write lock. The write that follows
+    is a compare-and-set on the version read before planning, so a job changed meanwhile is left
+    for the next tick."""
     with rsf() as s:
-        pending = [j.id for j in store.list_jobs(s, states=[JobState.PENDING], limit=None, order="queue")]
-    for job_id in pending:
+        pending = [(j.id, j.version, j.spec, j.plan)
+                   for j in store.list_jobs(s, states=[JobState.PENDING], limit=None, order="queue")]
+    for job_id, version, spec, plan in pending:
+        replanned, error = plan_for_live_cluster(spec, plan, settings, topology)
         try:
             with store.session_scope(sf) as s:
-                job = store.get_job(s, job_id)
-                s.refresh(job)
-                if JobState(job.state) != JobState.PENDING:
-                    continue
-                error = replan_if_needed(s, job, settings, topology)
                 if error is not None:
-                    store.transition(s, job_id, JobState.FAILED, reason=error)
-                else:
-                    store.transition(s, job_id, JobState.QUEUED, reason="admitted to the queue",
-                                     expected_version=job.version)
+                    store.transition(s, job_id, JobState.FAILED, reason=error, expected_version=version)
+                    continue
+                store.transition(s, job_id, JobState.QUEUED, reason="admitted to the queue",
+                                 expected_version=version)
+                if replanned is not None:
+                    store.set_plan(s, job_id, replanned.to_dict(), reason=replanned_reason(plan, settings))
         except (ConcurrentUpdate, IllegalTransition, JobNotFound) as e:
             log.info("job %s changed while being admitted: %s", job_id, e)
 
@@ -61,16 +66,23 @@ def _canonical_gpu(name: str | None) -> str | None:
         return name
 
 
-def replan_if_needed(s: Session, job: Job, settings: Settings, topology: Topology) -> str | None:
-    """Re-plan a job whose plan is for another GPU type than the live cluster's (settings.gpu_type)
-    or that has no plan; returns an error message when no plan fits the live cluster."""
-    current = job.plan or {}
+def replanned_reason(plan: Mapping[str, Any] | None, settings: Settings) -> str:
+    planned = _canonical_gpu(((plan or {}).get("cluster") or {}).get("gpu_type"))
+    return f"re-planned for the live cluster's {_canonical_gpu(settings.gpu_type)} (the plan was for " \
+        f"{planned or 'nothing'})"
+
+
+def plan_for_live_cluster(spec_doc: Mapping[str, Any], plan: Mapping[str, Any] | None, settings: Settings,
+                          topology: Topology) -> tuple[Plan | None, str | None]:
+    """(a new plan, None) for a job whose plan is for another GPU type than the live cluster's
+    (settings.gpu_type) or that has none; (None, None) when its plan stands; (None, why) when no plan
+    fits the live cluster. Pure: touches no database."""
+    current = plan or {}
     planned = _canonical_gpu((current.get("cluster") or {}).get("gpu_type"))
-    live = _canonical_gpu(settings.gpu_type)
-    if current.get("layout") and planned == live:
-        return None
+    if current.get("layout") and planned == _canonical_gpu(settings.gpu_type):
+        return None, None
     try:
-        spec = JobSpec.model_validate(job.spec)
+        spec = JobSpec.model_validate(spec_doc)
         model = spec.model_spec()
         given = spec.layout_given()
         alive = [n for n in topology.gpu_nodes if n.alive]
@@ -86,12 +98,9 @@ def replan_if_needed(s: Session, job: Job, settings: Settings, topology: Topolog
         )
         train = TrainSpec(global_batch=spec.train.global_batch, seq_len=model.seq_len,
                           precision=spec.train.precision)
-        new = plan_layout(model, train, cluster, given)
+        return plan_layout(model, train, cluster, given), None
     except (PlannerError, ValueError) as e:
-        return f"no feasible plan for the live cluster ({settings.gpu_type}): {e}"
-    reason = f"re-planned for the live cluster's {live} (the plan was for {planned or 'nothing'})"
-    store.set_plan(s, job.id, new.to_dict(), reason=reason)
-    return None
+        return None, f"no feasible plan for the live cluster ({settings.gpu_type}): {e}"
 
 
 def controller_options(settings: Settings, spec: JobSpec, seq: int, reached_step: int,

@@ -140,7 +140,7 @@ def test_the_scheduler_replans_a_partial_layout_keeping_its_fields(
     db_session_factory: sessionmaker[Session], tmp_path: Path
 ) -> None:
     from service.api.operations import plan_job
-    from service.scheduler.admission import replan_if_needed
+    from service.scheduler.admission import admit_pending
     from workers.topology import Topology
 
     settings = Settings(home=tmp_path, gpu_type="cpu-virtual")
@@ -149,9 +149,9 @@ def test_the_scheduler_replans_a_partial_layout_keeping_its_fields(
         store.ensure_tenant(s, "t")
         job = store.create_job(s, tenant="t", name="p", spec=spec.canonical(), plan=plan_job(spec, settings))
         assert job.plan["cluster"]["gpu_type"] != "cpu-virtual"
-        assert replan_if_needed(s, job, settings, Topology.uniform(2, 2, 4)) is None
-        s.refresh(job)
-        plan = job.plan
+    admit_pending(db_session_factory, db_session_factory, settings, Topology.uniform(2, 2, 4))
+    with db_session_factory() as s:
+        plan = store.get_job(s, job.id).plan
     assert plan["cluster"] == {"gpu_type": "cpu-virtual", "num_gpus": 8}
     assert (plan["layout"]["tp"], plan["layout"]["pp"], plan["layout"]["dp"]) == (2, 2, 2)
     assert plan["given"] == {"tp": 2, "pp": 2, "dp": 2} and plan["layout"]["schedule"] != "none"

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import store
-from service.scheduler.admission import replan_if_needed
+from service.scheduler.admission import admit_pending, plan_for_live_cluster
 from service.scheduler.cluster import sync_nodes
 from service.scheduler.ingest import job_transition_path, store_controller_event, summarize_result
 from service.settings import Settings
@@ -136,10 +136,12 @@ def test_a_plan_for_another_gpu_type_is_redone_for_the_live_cluster(
         planned = plan_job(spec, settings)
         job = store.create_job(s, tenant="t", name="h100", spec=spec.canonical(), plan=planned)
         assert job.plan["cluster"]["gpu_type"] != "cpu-virtual"
-        assert replan_if_needed(s, job, settings, Topology.uniform(2, 2, 4)) is None
-        s.refresh(job)
-        plan, events = job.plan, [e.type for e in store.list_events(s, job.id)]
-        same = replan_if_needed(s, job, settings, Topology.uniform(2, 2, 4))
+    admit_pending(db_session_factory, db_session_factory, settings, Topology.uniform(2, 2, 4))
+    with db_session_factory() as s:
+        job = store.get_job(s, job.id)
+        plan, state, events = job.plan, job.state, [e.type for e in store.list_events(s, job.id)]
+    assert state == "queued" and events.count("plan") == 1
     assert plan["cluster"] == {"gpu_type": "cpu-virtual", "num_gpus": 8}
     assert (plan["layout"]["tp"], plan["layout"]["pp"], plan["layout"]["dp"]) == (2, 2, 2)
-    assert events == ["created", "plan"] and same is None  # planned for the live type: left alone
+    same = plan_for_live_cluster(spec.canonical(), plan, settings, Topology.uniform(2, 2, 4))
+    assert same == (None, None)  # planned for the live type: left alone

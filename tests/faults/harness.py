@@ -174,7 +174,7 @@ class PlannerReplanner:
     """The service's planner as a workers.policies.Replanner: the planned layout (any TP / PP / DP /
     ZeRO choice) for the most schedulable GPUs left, below the current world size, with the same
     global batch and so the same training mathematics. The cluster is described as the service
-    describes it (service.scheduler.admission.replan_if_needed)."""
+    describes it (service.scheduler.admission.plan_for_live_cluster)."""
 
     model: ModelSpec
     gpu_type: str = "cpu-virtual"
