@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	# torch first and by exact version: on the CPU machines this takes the CPU wheel on disk,
 	# never a CUDA build. On a GPU cluster install a CUDA build of torch==2.13.0 before `make`.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[server,dev]'
 	touch $(STAMP)
 
 install: $(STAMP) system-deps
@@ -45,7 +45,7 @@ test-faults: install postgres
 
 # Benchmarks print Lattice against its peers measured in the same run (see docs/benchmarks.md).
 bench: install
-	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	$(BIN)/python -m pip install -q -e '.[server,dev,bench]'
 	$(BIN)/python -m bench.planner
 	$(BIN)/python -m bench.api --rates 50,100,200,400 --duration 10
 	$(BIN)/python -m bench.ddp

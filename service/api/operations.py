@@ -297,3 +297,39 @@ def cancel_job(session: Session, principal: Principal, job_id: str, scheduler: S
             scheduler.wake()
         return job
     raise Conflict(f"job {job_id!r} kept changing while cancelling; retry")
+
+
+# ---- resume ---------------------------------------------------------------------------------------
+def resume_job(session: Session, principal: Principal, job_id: str, scheduler: SchedulerHook | None) -> Job:
+    """Continue a failed or cancelled job as a new attempt from its last verified checkpoint (from
+    step 0, said in the event and `reason`, when it has none): the job goes back to `queued`.
+
+    A succeeded job, or one still queued or running, is a 409 naming its state; so is a job whose
+    old ranks are still stopping (the scheduler still holds its controller): retry shortly.
+    """
+    job = visible_job(session, principal, job_id)
+    session.refresh(job)
+    state = JobState(job.state)
+    if state not in store.RESUME_TRANSITIONS:
+        what = "it already succeeded" if state == JobState.SUCCEEDED else "it has not finished"
+        raise Conflict(
+            f"job {job_id!r} is {state.value}: {what}; only a failed or cancelled job can be resumed"
+        )
+    attached = getattr(scheduler, "attached_jobs", None)
+    if attached is not None and job_id in attached():
+        raise Conflict(
+            f"job {job_id!r} is {state.value} but its ranks are still stopping; retry in a few seconds"
+        )
+    ckpt = store.latest_checkpoint(session, job_id, verified_only=True)
+    try:
+        job = store.resume_job(
+            session, job_id, expected_version=job.version, checkpoint_step=ckpt.step if ckpt else None,
+            by=f"{principal.role.value} of tenant {principal.tenant}",
+        )
+        session.commit()
+    except ConcurrentUpdate as e:
+        session.rollback()
+        raise Conflict(f"job {job_id!r} changed while resuming; retry") from e
+    if scheduler is not None:
+        scheduler.wake()
+    return job

@@ -2,23 +2,27 @@
 in the order `--help` lists them.
 
 `app` (the root options, consoles and error handling) runs the service (`serve`), submits and
-watches jobs (`jobs`), manages tokens (`tokens`) and plans layouts (`plan`); the HTTP client the
+watches jobs (`jobs`), reads them (`job_views`: jobs, status, events), manages tokens (`tokens`) and
+nodes (`cluster`) and plans layouts (`plan`); the HTTP client the
 commands use is `client`.
 """
 
 import typer
 
-from service.cli import data, export, jobs, logs, serve, tokens
-from service.cli.app import app, token_app
+from service.cli import cluster, data, export, job_views, jobs, logs, serve, tokens
+from service.cli.app import app, cluster_app, token_app
 from service.cli.plan import plan_command
 
 app.command(epilog=serve.settings_epilog())(serve.serve)
-for command in (jobs.submit, jobs.jobs, jobs.status, jobs.cancel, jobs.events):
+for command in (jobs.submit, job_views.jobs, job_views.status, jobs.cancel, jobs.resume, job_views.events):
     app.command()(command)
 app.command()(logs.logs)
 token_app.command("create")(tokens.token_create)
 token_app.command("list")(tokens.token_list)
 token_app.command("revoke")(tokens.token_revoke)
+cluster_app.command("status")(cluster.cluster_status)
+cluster_app.command("cordon")(cluster.cordon)
+cluster_app.command("uncordon")(cluster.uncordon)
 app.command("plan")(plan_command)
 app.command("export")(export.export)
 data_app = typer.Typer(help="Token files.", no_args_is_help=True)

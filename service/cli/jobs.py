@@ -1,4 +1,5 @@
-"""Job commands: submit (and watch), list, status, cancel, events."""
+"""Job commands: submit (and watch) and cancel; the read commands (jobs, status, events) are in
+job_views."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from typing import Annotated, Any
 
 import typer
 import yaml
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from service.cli.app import (
     client_for,
@@ -20,6 +21,7 @@ from service.cli.app import (
     out,
 )
 from service.cli.client import TERMINAL, Client, CliError
+from service.cli.overrides import OverrideError, apply_overrides, parse_override
 
 
 def load_spec_file(path: Path) -> dict[str, Any]:
@@ -42,14 +44,34 @@ def load_spec_file(path: Path) -> dict[str, Any]:
 @one_line_errors
 def submit(
     ctx: typer.Context,
-    file: Annotated[Path, typer.Argument(help="Job spec, YAML or JSON.")],
+    file: Annotated[Path | None, typer.Argument(help="Job spec, YAML or JSON (or use --from).")] = None,
     watch: Annotated[bool, typer.Option("--watch", help="Follow progress until the job finishes.")] = False,
     key: Annotated[str | None, typer.Option(help="Idempotency-Key (default: a fresh one).")] = None,
     interval: Annotated[float, typer.Option(help="Seconds between polls with --watch.")] = 1.0,
+    from_job: Annotated[
+        str | None, typer.Option("--from", help="Copy this job's stored spec instead of reading a file.")
+    ] = None,
+    sets: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a spec field: dotted KEY=VALUE (YAML value), repeatable."),
+    ] = None,
 ) -> None:
-    """Submit a job from a spec file."""
-    spec = load_spec_file(file)
-    client = client_for(ctx)
+    """Submit a job from a spec file, or a copy of another job's spec (--from JOB), with --set
+    overrides (e.g. --set train.steps=2000)."""
+    if (file is None) == (from_job is None):
+        err.print("[red]error:[/red] give a spec FILE or --from JOB (exactly one)", soft_wrap=True)
+        raise typer.Exit(2)
+    try:
+        for item in sets or []:
+            parse_override(item)  # a malformed --set is a usage error before anything is read
+        spec = load_spec_file(file) if file is not None else None
+        client = client_for(ctx)
+        if spec is None:
+            spec = client.request("GET", f"/v1/jobs/{from_job}")["spec"]
+        spec = apply_overrides(spec, sets or [])
+    except OverrideError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True, highlight=False)
+        raise typer.Exit(2) from None
     job = client.request("POST", "/v1/jobs", json=spec, headers={"Idempotency-Key": key or uuid.uuid4().hex})
     out.print(f"submitted job {job['id']} ({job['name']}): {job['state']}")
     if watch:
@@ -125,91 +147,6 @@ def goodput_text(goodput: dict[str, Any] | None) -> str:
 
 
 @one_line_errors
-def jobs(
-    ctx: typer.Context,
-    state: Annotated[list[str] | None, typer.Option(help="Only jobs in this state (repeatable).")] = None,
-    limit: Annotated[int, typer.Option(min=1, max=500, help="Jobs per page.")] = 20,
-    all_pages: Annotated[bool, typer.Option("--all", help="Follow every page.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-) -> None:
-    """List jobs, newest first."""
-    client = client_for(ctx)
-    params: dict[str, Any] = {"limit": limit}
-    if state:
-        params["state"] = state
-    items: list[dict[str, Any]] = []
-    while True:
-        page = client.request("GET", "/v1/jobs", params=params)
-        items += page["items"]
-        if not all_pages or not page["next_cursor"]:
-            break
-        params["cursor"] = page["next_cursor"]
-    if as_json:
-        out.print_json(data=items)
-        return
-    table = Table("ID", "NAME", "TENANT", "STATE", "STEP", "LOSS", "CREATED")
-    table.columns[0].no_wrap = True
-    for j in items:
-        p = j["progress"]
-        loss = f"{p['loss']:.4f}" if p["loss"] is not None else "-"
-        table.add_row(
-            j["id"],
-            j["name"],
-            j["tenant"],
-            j["state"],
-            f"{p['step']}/{p['total_steps']}",
-            loss,
-            j["created_at"][:16].replace("T", " "),
-        )
-    out.print(table)
-
-
-@one_line_errors
-def status(
-    ctx: typer.Context,
-    job_id: Annotated[str, typer.Argument(help="Job id.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-) -> None:
-    """Show one job."""
-    job = client_for(ctx).request("GET", f"/v1/jobs/{job_id}")
-    if as_json:
-        out.print_json(data=job)
-        return
-    p = job["progress"]
-    table = Table(show_header=False, box=None)
-    rows = [
-        ("id", job["id"]),
-        ("name", job["name"]),
-        ("tenant", job["tenant"]),
-        ("state", job["state"]),
-        ("reason", job.get("reason") or job["state"]),
-        ("priority", str(job["priority"])),
-        ("attempt", str(job["attempt"])),
-        ("progress", f"{p['step']}/{p['total_steps']}"),
-        ("loss", "-" if p["loss"] is None else f"{p['loss']:.4f}"),
-        ("tokens/s", "-" if p["tokens_per_s"] is None else f"{p['tokens_per_s']:.0f}"),
-        ("step time", duration(p.get("step_time_s"))),
-        ("mfu", "-" if p.get("mfu") is None else f"{p['mfu']:.2%}"),
-        ("eta", duration(p.get("eta_s"))),
-        ("time", goodput_text(p.get("goodput"))),
-        ("layout", _layout_text(job.get("plan"))),
-        ("created", job["created_at"]),
-    ]
-    if job.get("error"):
-        rows.append(("error", job["error"]))
-    for k, v in rows:
-        table.add_row(f"[bold]{k}[/bold]", v)
-    out.print(table)
-
-
-def _layout_text(plan: dict[str, Any] | None) -> str:
-    layout = (plan or {}).get("layout")
-    if not isinstance(layout, dict):
-        return "-"
-    return " ".join(f"{k}={layout[k]}" for k in ("tp", "pp", "dp", "cp", "zero_stage") if k in layout)
-
-
-@one_line_errors
 def cancel(ctx: typer.Context, job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
     """Cancel a job."""
     job = client_for(ctx).request("POST", f"/v1/jobs/{job_id}/cancel")
@@ -217,19 +154,8 @@ def cancel(ctx: typer.Context, job_id: Annotated[str, typer.Argument(help="Job i
 
 
 @one_line_errors
-def events(
-    ctx: typer.Context,
-    job_id: Annotated[str, typer.Argument(help="Job id.")],
-    after: Annotated[int, typer.Option(min=0, help="Only events after this seq.")] = 0,
-    limit: Annotated[int, typer.Option(min=1, max=1000, help="Most events to show.")] = 100,
-) -> None:
-    """Show a job's event log."""
-    params = {"after": after, "limit": limit}
-    page = client_for(ctx).request("GET", f"/v1/jobs/{job_id}/events", params=params)
-    table = Table("SEQ", "TIME", "TYPE", "PAYLOAD")
-    for e in page["items"]:
-        table.add_row(
-            str(e["seq"]), e["time"][:23], e["type"], json.dumps(e["payload"], separators=(",", ":"))
-        )
-    out.print(table)
-
+def resume(ctx: typer.Context, job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
+    """Resume a failed or cancelled job from its last verified checkpoint (a new attempt)."""
+    job = client_for(ctx).request("POST", f"/v1/jobs/{job_id}/resume")
+    out.print(f"job {job['id']}: {job.get('reason') or job['state']} (attempt {job['attempt']})",
+              markup=False, highlight=False)

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from service.cli.app import client_for, one_line_errors, out
+from service.cli.app import Output, OutputOption, client_for, one_line_errors, out, print_json
 
 
 @one_line_errors
@@ -25,11 +25,17 @@ def logs(
     list_logs: Annotated[
         bool, typer.Option("--list", help="List the attempts and ranks that have logs instead.")
     ] = False,
+    output: OutputOption = Output.table,
 ) -> None:
-    """Print a rank's output in one attempt of a job (rank 0 of the latest attempt by default)."""
+    """Print a rank's output in one attempt of a job (rank 0 of the latest attempt by default);
+    -o applies to --list (the output itself is printed as written)."""
     client = client_for(ctx)
     if list_logs:
-        show_index(client.request("GET", f"/v1/jobs/{job}/logs/index"))
+        index = client.request("GET", f"/v1/jobs/{job}/logs/index")
+        if output is Output.json:
+            print_json(index)
+        else:
+            show_index(index)
         return
     params: dict[str, Any] = {"rank": rank, "follow": follow}
     if attempt is not None:

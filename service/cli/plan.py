@@ -1,7 +1,9 @@
 """`lattice plan`: choose (or evaluate) a parallel layout and print the evidence.
 
 `plan_command` is a typer command function; service.cli registers it as `lattice plan`.
-Bad input prints one line to stderr and exits with code 2.
+Bad input prints one line to stderr: exit code 2 for a usage error (a required flag missing, a flag
+value that does not parse), 1 for a model, batch or layout the planner refuses (as the other
+commands exit 1 when the server refuses a request).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from training.config.spec import ModelSpec, SpecError
 GiB = 1024**3
 
 
-def _fail(message: str) -> typer.Exit:
+def _fail(message: str, code: int) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code=2)
+    return typer.Exit(code=code)
 
 
 def _model(
@@ -169,27 +171,27 @@ def plan_command(
 ) -> None:
     """Choose the parallel layout for a model on a cluster; --layout keeps the fields it gives (any
     subset) and fills in the rest, or evaluates a layout that runs as given."""
-    try:
+    try:  # usage: what the flags say cannot be read
         if global_batch is None:
             raise PlannerError("--global-batch N is required (sequences per optimizer step)")
         if gpus is None:
             raise PlannerError("--gpus N is required")
-        model = _model(preset, layers, hidden, heads, kv_heads, ffn, vocab, seq_len)
-        train = TrainSpec(global_batch=global_batch, seq_len=seq_len or model.seq_len, precision=precision)
-        cluster = ClusterSpec(gpu, gpus, gpus_per_node, nodes_per_rack, oversubscription)
+        stages = _zero_stages(zero_stages)
         given = parse_layout_fields(layout) if layout is not None else None
+        cluster = ClusterSpec(gpu, gpus, gpus_per_node, nodes_per_rack, oversubscription)
+        model = _model(preset, layers, hidden, heads, kv_heads, ffn, vocab, seq_len)
+    except PlannerError as e:
+        raise _fail(str(e), 2) from None
+    except SpecError as e:  # a model shape that cannot work: refused like a request
+        raise _fail(str(e), 1) from None
+    try:
+        train = TrainSpec(global_batch=global_batch, seq_len=seq_len or model.seq_len, precision=precision)
         result = plan_layout(
-            model,
-            train,
-            cluster,
-            given,
-            zero_stages=_zero_stages(zero_stages),
-            top_k=top_k,
-            compare_with_search=True,
+            model, train, cluster, given, zero_stages=stages, top_k=top_k, compare_with_search=True,
             gpus_from="--gpus",
         )
     except (PlannerError, SpecError, LayoutError) as e:
-        raise _fail(str(e)) from None
+        raise _fail(str(e), 1) from None
     if json_out:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return

@@ -8,9 +8,10 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
-from sqlalchemy.orm import Session
 
 from service.cli.app import (
+    Output,
+    OutputOption,
     client_for,
     display_url,
     err,
@@ -18,9 +19,11 @@ from service.cli.app import (
     load_settings,
     one_line_errors,
     out,
+    output_of,
+    print_json,
+    print_table,
 )
 from service.cli.client import CliError
-from service.store.prepare import prepare_database
 
 
 @one_line_errors
@@ -34,10 +37,12 @@ def token_create(
 ) -> None:
     """Create an API token directly in the database (prints it once)."""
     from pydantic import ValidationError
-    from sqlalchemy.exc import SQLAlchemyError
+    from sqlalchemy.exc import SQLAlchemyError  # the server's extra: only this command needs it
+    from sqlalchemy.orm import Session
 
     from service.auth import create_token_row, parse_ttl
     from service.schemas import TokenCreate
+    from service.store.prepare import prepare_database
 
     try:
         ttl_s = parse_ttl(ttl) if ttl is not None else None
@@ -75,21 +80,28 @@ def _when(value: str | None) -> str:
 def token_list(
     ctx: typer.Context,
     tenant: Annotated[str | None, typer.Option(help="Only this tenant's tokens (admins).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    output: OutputOption = Output.table,
+    as_json: Annotated[bool, typer.Option("--json", help="Same as -o json.")] = False,
 ) -> None:
     """List API tokens (ids, tenants, expiry, last use; never the secrets)."""
     params = {"tenant": tenant} if tenant is not None else {}
     items = client_for(ctx).request("GET", "/v1/tokens", params=params)["items"]
-    if as_json:
-        out.print_json(data=items)
+    output = output_of(output, as_json)
+    if output is Output.json:
+        print_json(items)
         return
-    table = Table("ID", "TENANT", "ROLE", "STATUS", "DESCRIPTION", "CREATED", "EXPIRES", "LAST USED")
+    wide = output is Output.wide
+    names = ["ID", "TENANT", "ROLE", "STATUS", "EXPIRES", "LAST USED"]
+    names += ["DESCRIPTION", "CREATED"] if wide else []
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for name in names:
+        table.add_column(name, no_wrap=name not in ("TENANT", "DESCRIPTION"), overflow="fold")
     for t in items:
-        table.add_row(
-            str(t["id"]), t["tenant"], t["role"], t["status"], t["description"] or "-",
-            _when(t["created_at"]), _when(t["expires_at"]), _when(t["last_used_at"]),
-        )
-    out.print(table)
+        row = [str(t["id"]), t["tenant"], t["role"], t["status"], _when(t["expires_at"]),
+               _when(t["last_used_at"])]
+        row += [t["description"] or "-", _when(t["created_at"])] if wide else []
+        table.add_row(*row)
+    print_table(table, wide)
 
 
 @one_line_errors

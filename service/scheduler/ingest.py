@@ -23,9 +23,9 @@ from workers.events import EventKind
 
 # The service's own event type for a lost controller that a new one replaces.
 RECOVER_EVENT = "recover"
-# Event types that count as an attempt (Job.attempt): a controller's restart after a fault, and
-# the recovery of a lost controller by the reconciler.
-ATTEMPT_EVENTS = (EventKind.RESTART.value, RECOVER_EVENT)
+# Event types that count as an attempt (Job.attempt): a controller's restart after a fault, the
+# recovery of a lost controller by the reconciler, and an explicit resume (POST .../resume).
+ATTEMPT_EVENTS = (EventKind.RESTART.value, RECOVER_EVENT, store.RESUME_EVENT)
 MAX_LOSSES_IN_RESULT = 1000
 # Controller states in which the placement the snapshot reports is the one the ranks run on.
 PLACED_STATES = frozenset({ControllerState.RUNNING, ControllerState.CHECKPOINTING})

@@ -304,12 +304,14 @@ class Scheduler:
                     event_payload={"nodes": nodes, "notes": list(intended.notes)},
                 )
                 spec_row, seq, created = dict(job.spec), job.controller_seq, job.created_at
+                reached = job.step  # 0, or the checkpoint a resumed job restores (faults before it are done)
         except (ConcurrentUpdate, IllegalTransition) as e:
             log.info("job %s changed before it could start: %s", job_id, e)
             return
         self._waiting.forget(job_id)
         metrics.QUEUE_WAIT.observe(max(0.0, time.time() - created.timestamp()))
-        self._launch(job_id, JobSpec.model_validate(spec_row), seq, nodes, reached_step=0, restarts_used=0)
+        self._launch(job_id, JobSpec.model_validate(spec_row), seq, nodes, reached_step=reached,
+                     restarts_used=0)
 
     def _launch(self, job_id: str, spec: JobSpec, seq: int, intended: Mapping[str, int], *,
                 reached_step: int, restarts_used: int) -> None:

@@ -16,6 +16,8 @@ from service.store.checkpoints import (
 from service.store.db import make_engine, make_session_factory, session_scope
 from service.store.jobs import (
     LEGAL_TRANSITIONS,
+    RESUME_EVENT,
+    RESUME_TRANSITIONS,
     append_event,
     count_jobs_by_state,
     create_job,
@@ -23,6 +25,7 @@ from service.store.jobs import (
     list_events,
     list_jobs,
     new_job_id,
+    resume_job,
     set_plan,
     transition,
     update_progress,
@@ -83,6 +86,9 @@ __all__ = [
     "set_node_health",
     "set_plan",
     "transition",
+    "resume_job",
+    "RESUME_EVENT",
+    "RESUME_TRANSITIONS",
     "update_progress",
     "upsert_node",
 ]

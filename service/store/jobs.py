@@ -1,7 +1,8 @@
 """Jobs, their state machine and their event log.
 
 `transition` is the one function that changes a job's state. It checks the move against
-`LEGAL_TRANSITIONS` (terminal states have no way out), compare-and-sets on `version`
+`LEGAL_TRANSITIONS` (terminal states have no way out; only `resume_job` takes a failed or
+cancelled job back to `queued`, see `RESUME_TRANSITIONS`), compare-and-sets on `version`
 (`UPDATE jobs SET state=?, version=version+1 WHERE id=? AND version=?`) and appends a `state`
 event in the same transaction. None of these functions commit: the caller owns the
 transaction (keep it short; see service.store.db).
@@ -17,7 +18,7 @@ from typing import Any, Literal
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from service.errors import ConcurrentUpdate, IllegalTransition, JobNotFound
+from service.errors import ConcurrentUpdate, Conflict, IllegalTransition, JobNotFound
 from service.store.models import TERMINAL_STATES, Job, JobEvent, JobState, utcnow
 
 LEGAL_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
@@ -34,6 +35,15 @@ LEGAL_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),
 }
+# The one way out of a terminal state: `resume_job` (an explicit resume, POST /v1/jobs/{id}/resume)
+# moves a failed or cancelled job back to `queued` for a new attempt. `transition` never does; a
+# succeeded job has no way out at all.
+RESUME_TRANSITIONS: dict[JobState, JobState] = {
+    JobState.FAILED: JobState.QUEUED,
+    JobState.CANCELLED: JobState.QUEUED,
+}
+# The event an explicit resume appends (the controller's own `resumed` means "training continued").
+RESUME_EVENT = "resume_requested"
 
 # Columns a transition may set together with the state (atomically, in the same UPDATE).
 TRANSITION_FIELDS = frozenset({"attempt", "error", "result", "plan"})
@@ -194,6 +204,50 @@ def transition(
         payload["reason"] = reason
     payload.update(event_payload or {})
     append_event(session, job_id, "state", payload)
+    session.refresh(job)
+    return job
+
+
+def resume_job(
+    session: Session,
+    job_id: str,
+    *,
+    expected_version: int,
+    checkpoint_step: int | None,
+    by: str,
+) -> Job:
+    """Move a failed or cancelled job back to `queued` for a new attempt (compare-and-set on its
+    version, as `transition`): attempt + 1, `step` set to the checkpoint it resumes from (0 with
+    none: it starts over), error/result/finished_at cleared. Appends the `state` event and a
+    `resume_requested` event. Raises Conflict from any other state, ConcurrentUpdate on a race."""
+    job = get_job(session, job_id)
+    session.refresh(job)
+    current = JobState(job.state)
+    if job.version != expected_version:
+        raise ConcurrentUpdate(job_id, expected_version, job.version)
+    if current not in RESUME_TRANSITIONS:
+        raise Conflict(f"job {job_id!r} is {current.value}; only a failed or cancelled job can be resumed")
+    step = checkpoint_step or 0
+    start = f"its last verified checkpoint (step {step})" if checkpoint_step is not None else (
+        "step 0 (it has no verified checkpoint)")
+    message = f"resumed by {by} from {start}"
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.version == expected_version)
+        .values(state=JobState.QUEUED.value, version=Job.version + 1, updated_at=utcnow(),
+                attempt=job.attempt + 1, step=step, error=None, result=None, finished_at=None,
+                reason=f"queued: {message}"[:2000])
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        actual = session.scalar(select(Job.version).where(Job.id == job_id))
+        raise ConcurrentUpdate(job_id, expected_version, actual)
+    append_event(session, job_id, "state", {"from": current.value, "to": JobState.QUEUED.value,
+                                             "version": expected_version + 1, "reason": message})
+    append_event(session, job_id, RESUME_EVENT, {
+        "from_state": current.value, "checkpoint_step": checkpoint_step, "step": step,
+        "attempt": job.attempt + 1, "by": by, "message": message,
+    })
     session.refresh(job)
     return job
 

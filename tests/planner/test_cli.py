@@ -143,8 +143,9 @@ def test_layout_evaluates_instead_of_searching():
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_2(args: list[str], needle: str):
+    """Exit code 2 for usage (flags missing or unparsable), 1 for a model or plan that is refused."""
     r = runner.invoke(app, args)
-    assert r.exit_code == 2
+    assert r.exit_code == (1 if needle in ("model.heads", "model.layers", "smallest") else 2)
     assert needle in r.stderr
     assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
     assert "Traceback" not in r.output

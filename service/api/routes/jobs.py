@@ -1,4 +1,6 @@
-"""/v1/jobs: submit, list, get, cancel, events. Thin: parse, call service.api.operations, serialise."""
+"""/v1/jobs: submit, list, get, cancel, resume, events.
+
+Thin: parse, call service.api.operations, serialise."""
 
 from __future__ import annotations
 
@@ -122,6 +124,23 @@ def cancel_job(
     job_id: JobId, session: SessionDep, principal: CurrentPrincipal, scheduler: SchedulerDep
 ) -> JobPublic:
     return JobPublic.from_row(operations.cancel_job(session, principal, job_id, scheduler))
+
+
+@router.post(
+    "/{job_id}/resume",
+    response_model=JobPublic,
+    summary="Resume a failed or cancelled job",
+    description="Puts a failed or cancelled job back in the queue as a new attempt (`attempt` + 1, a "
+    "`resume_requested` event). Its ranks restore the job's last verified checkpoint, so training "
+    "continues from that step (`step` is set to it) and no step is counted twice; a job with no verified "
+    "checkpoint starts over from step 0, which the event and `reason` say. A succeeded, queued or "
+    "running job is a 409 naming its state, as is a cancelled job whose ranks are still stopping.",
+    responses=problem_responses(401, 404, 409, 422),
+)
+def resume_job(
+    job_id: JobId, session: SessionDep, principal: CurrentPrincipal, scheduler: SchedulerDep
+) -> JobPublic:
+    return JobPublic.from_row(operations.resume_job(session, principal, job_id, scheduler))
 
 
 @router.get(
