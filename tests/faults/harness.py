@@ -109,6 +109,12 @@ def events(snap: dict[str, Any], kind: str) -> list[dict[str, Any]]:
     return [e for e in snap["events"] if e["kind"] == kind]
 
 
+def sdc_attribution(snap: dict[str, Any]) -> dict[str, Any]:
+    """The attribution of the silent data corruption (a loaded machine may first attribute a slow
+    rank's hang or straggling, which is another, infrastructure, fault)."""
+    return next(e for e in events(snap, "attributed") if e["cause"] == "sdc")
+
+
 def assert_in_order(snap: dict[str, Any], story: Sequence[str]) -> None:
     """Each kind of `story` occurs after the previous one (first occurrence after it)."""
     seq = kinds(snap)

@@ -22,6 +22,7 @@ from tests.faults.harness import (
     job_cfg,
     options,
     run_job,
+    sdc_attribution,
     wait_for_free_gpus,
 )
 from training.config.layout import Layout
@@ -107,7 +108,7 @@ def test_matrix_persistent_sdc_with_two_replicas_is_settled_by_a_spare(timing, t
                            "attributed", "node_quarantined", "restart", "restore", "resumed", "finished"])
     referee = events(snap, "referee")[0]["referee"]
     assert referee["culprits"] == [victim] and referee["healthy"] == [1 - victim]
-    attributed = events(snap, "attributed")[0]
+    attributed = sdc_attribution(snap)
     assert attributed["ranks"] == [victim] and snap["quarantined_nodes"] == attributed["nodes"]
     assert_kept_off(snap, attributed["nodes"][0], "node_quarantined")
 
@@ -116,7 +117,7 @@ def test_majority_vote_names_the_replica_with_dp3(tmp_path):
     cfg = job_cfg(str(tmp_path / "ckpt"), layout=Layout(dp=3))
     snap = run_job("fm-vote", cfg, options({"kind": "bitflip", "rank": 2, "at_step": 3, "bit": 27}))
     assert_succeeded_like_fault_free(snap, cfg)
-    attributed = events(snap, "attributed")[0]
+    attributed = sdc_attribution(snap)
     assert attributed["ranks"] == [2]
     assert attributed["evidence"]["evidence"]["ambiguous"] is False  # a strict majority, no re-run
     assert snap["quarantined_nodes"] == attributed["nodes"]

@@ -17,6 +17,7 @@ from tests.faults.harness import (
     job_cfg,
     options,
     run_job,
+    sdc_attribution,
     wait_for_free_gpus,
 )
 
@@ -79,7 +80,7 @@ def test_bitflip_in_one_of_two_replicas_is_attributed_by_rerun_and_its_node_quar
     assert_succeeded_like_fault_free(snap, cfg)
     assert_in_order(snap, ["fault_injected", "integrity_error", "failure", "attributed", "node_quarantined",
                            "restart", "restore", "resumed", "finished"])
-    attributed = events(snap, "attributed")[0]
+    attributed = sdc_attribution(snap)
     assert attributed["ranks"] == [1] and attributed["transient"] is True
     evidence = attributed["evidence"]["evidence"]
     assert evidence["votes"][0]["reproduced"] == {"0": True, "1": False}
@@ -105,7 +106,7 @@ def test_persistent_flip_with_two_replicas_is_settled_by_a_spare(tmp_path):
     assert referee["culprits"] == [1] and referee["healthy"] == [0]
     assert referee["fingerprint"] == referee["fingerprints"]["0"] != referee["fingerprints"]["1"]
     assert referee["node"] not in started["suspects"]  # the spare ran outside both replicas' nodes
-    attributed = events(snap, "attributed")[0]
+    attributed = sdc_attribution(snap)
     assert attributed["ranks"] == [1]
     node = attributed["nodes"][0]
     assert snap["quarantined_nodes"] == [node]  # the healthy replica's node is not punished
