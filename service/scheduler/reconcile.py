@@ -47,7 +47,10 @@ def plan_recovery(sf: sessionmaker[Session], job_id: str, why: str) -> Relaunch 
             return None
         ckpt = store.latest_checkpoint(s, job_id, verified_only=False)
         step = ckpt.step if ckpt is not None else None
-        resume = f"its last checkpoint (step {step})" if step is not None else "step 0 (no checkpoint)"
+        # The service knows the checkpoints it ingested; one committed after it stopped ingesting may be
+        # newer. The ranks restore the newest that verifies against its manifest, so never an older one.
+        resume = (f"its newest checkpoint that verifies (step {step} or later)" if step is not None
+                  else "its newest checkpoint that verifies, if any (the service recorded none)")
         store.append_event(s, job_id, RECOVER_EVENT, {
             "reason": why, "checkpoint_step": step, "attempt": attempts(s, job_id) + 1,
             "message": f"{why}: a new controller resumes from {resume}",

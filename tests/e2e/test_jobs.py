@@ -159,7 +159,9 @@ def test_service_restarts_reattach_then_recover_and_the_job_finishes_once(
     assert types.count("reattached") == 1 and types.count("recover") == 1 and types.count("finished") == 1
     recover = next(e for e in events if e["type"] == "recover")["payload"]
     assert recover["checkpoint_step"] >= 2
-    assert job["result"]["resumed_from"] == recover["checkpoint_step"]
+    # at least the newest checkpoint the service had ingested; a newer one committed while the service
+    # was down verifies and is used (seen under load: recorded 2, resumed from 4)
+    assert job["result"]["resumed_from"] >= recover["checkpoint_step"]
     assert types.index("reattached") < types.index("recover") < types.index("finished")
     moves = [e["payload"]["to"] for e in events if e["type"] == "state"]
     assert moves.count("succeeded") == 1 and "recovering" in moves and job["attempt"] == 1

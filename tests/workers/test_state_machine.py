@@ -309,13 +309,30 @@ def test_startup_timeout_applies_until_a_rank_made_its_first_step():
 
 def test_unresponsive_rank_is_a_hang_only_after_the_timeout():
     sm, wg, clock = to_running()
+    wg.push(running(4))  # every rank answers and has stepped in this attempt
+    assert sm.step() is None
     wg.push(running(4, state={2: "unresponsive"}))
     assert sm.step() is None
     clock.advance(61)
     wg.push(running(4, state={2: "unresponsive"}))
     assert sm.step().to_state == S.RECOVERING
     failure = [e for e in sm.events if e["kind"] == "failure"][0]["failure"]
-    assert failure["kind"] == "hang" and failure["ranks"] == [2]
+    assert failure["kind"] == "hang" and failure["ranks"] == [2] and "over 60s" in failure["message"]
+
+
+def test_a_rank_that_has_not_stepped_may_be_unresponsive_for_the_startup_timeout():
+    """A fresh rank (a replacement importing torch on a loaded node) may miss polls while it starts."""
+    sm, wg, clock = to_running()
+    wg.push(running(4, state={2: "unresponsive"}))
+    assert sm.step() is None
+    clock.advance(61)  # past the hang timeout, within the start-up timeout
+    wg.push(running(4, state={2: "unresponsive"}))
+    assert sm.step() is None
+    clock.advance(240)
+    wg.push(running(4, state={2: "unresponsive"}))
+    assert sm.step().to_state == S.RECOVERING
+    failure = [e for e in sm.events if e["kind"] == "failure"][0]["failure"]
+    assert failure["kind"] == "hang" and failure["ranks"] == [2] and "over 300s" in failure["message"]
 
 
 def test_an_integrity_error_is_an_sdc_failure_blaming_the_ranks_the_engine_named():

@@ -13,6 +13,7 @@ from typing import Any
 class Attempt:
     rank_node: dict[int, str] = field(default_factory=dict)  # rank -> node name
     last_seen: dict[int, float] = field(default_factory=dict)  # rank -> when it last answered a poll
+    stepped: set[int] = field(default_factory=set)  # ranks that completed a step in this attempt
     ckpt_saved: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks that committed it
     ckpt_open: int | None = None  # step whose save is under way
     step: int = 0  # the last step reached in this attempt (steps only grow within one)

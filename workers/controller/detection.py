@@ -128,10 +128,14 @@ def detect(
     gone = [r for r in unresponsive if (n := attempt.rank_node.get(r)) and node_gone(n)]
     if gone:
         return death(gone, status, attempt, node_gone, step)
-    silent = [r for r in unresponsive if now - attempt.last_seen.get(r, now) > options.hang_timeout_s]
+    # A rank that has not stepped in this attempt is starting (a fresh actor importing torch may not
+    # answer a poll for a while on a loaded node): the start-up timeout applies to it, as to its progress.
+    silent = [r for r in unresponsive
+              if now - attempt.last_seen.get(r, now) > progress_timeout(options, r in attempt.stepped, False)]
     if silent:
-        return Failure(FailureKind.HANG, f"rank(s) {silent} unresponsive for over "
-                       f"{options.hang_timeout_s:.0f}s", tuple(silent), attempt.nodes(silent), step)
+        limit = progress_timeout(options, all(r in attempt.stepped for r in silent), False)
+        return Failure(FailureKind.HANG, f"rank(s) {silent} unresponsive for over {limit:.0f}s",
+                       tuple(silent), attempt.nodes(silent), step)
     saving = attempt.ckpt_open is not None
     stale = [r for r, s in status.ranks.items()
              if s.state == "running" and s.since_progress_s > progress_timeout(options, s.stepped, saving)]

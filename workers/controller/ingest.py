@@ -43,6 +43,8 @@ def ingest(c: Controller, status: GroupStatus, now: float) -> None:
     for rank, s in status.ranks.items():
         if s.state != "unresponsive":
             c.attempt.last_seen[rank] = now
+            if s.stepped:
+                c.attempt.stepped.add(rank)
         merged += [(float(ev.get("t") or 0.0), rank, i, ev) for i, ev in enumerate(s.events)]
     world = len(status.ranks)
     for _, rank, _, ev in sorted(merged, key=lambda item: item[:3]):
