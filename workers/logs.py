@@ -315,3 +315,14 @@ class LogFollower:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def ranges(values: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    spans: list[list[int]] = []
+    for v in sorted(values):
+        if spans and spans[-1][1] == v - 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "none"

@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from service.cli.app import Output, OutputOption, client_for, one_line_errors, out, print_json
+from workers.logs import ranges
 
 
 @one_line_errors
@@ -55,16 +56,7 @@ def show_index(index: dict[str, Any]) -> None:
         table.add_column(name, no_wrap=True, justify="right" if name == "BYTES" else "left")
     for a in index["attempts"]:
         ranks = [r["rank"] for r in a["ranks"]]
-        table.add_row(str(a["attempt"]), _ranges(ranks), str(sum(r["bytes"] for r in a["ranks"])))
+        table.add_row(str(a["attempt"]), ranges(ranks), str(sum(r["bytes"] for r in a["ranks"])))
     out.print(table)
 
 
-def _ranges(values: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'."""
-    spans: list[list[int]] = []
-    for v in sorted(values):
-        if spans and spans[-1][1] == v - 1:
-            spans[-1][1] = v
-        else:
-            spans.append([v, v])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "none"

@@ -34,6 +34,7 @@ from workers.logs import (
     log_index,
     log_parts,
     log_size,
+    ranges,
     rank_log_path,
     tail_log,
 )
@@ -49,15 +50,6 @@ def logs_dir_of(settings: Settings, job: Job) -> Path:
     return job_logs_dir(settings.checkpoint_root / job.id)
 
 
-def _ranges(values: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'."""
-    spans: list[list[int]] = []
-    for v in sorted(values):
-        if spans and spans[-1][1] == v - 1:
-            spans[-1][1] = v
-        else:
-            spans.append([v, v])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "none"
 
 
 @router.get(
@@ -136,10 +128,10 @@ def _choose(
     chosen = attempt if attempt is not None else max(index)
     if chosen not in index:
         raise NotFound(f"job {job.id!r} has no logs for attempt {chosen}; attempts with logs: "
-                       f"{_ranges(sorted(index))}")
+                       f"{ranges(sorted(index))}")
     if rank not in index[chosen] and not waiting:
         raise NotFound(f"rank {rank} has no log in attempt {chosen} of job {job.id!r}; ranks with logs: "
-                       f"{_ranges(index[chosen])}")
+                       f"{ranges(index[chosen])}")
     return chosen
 
 
