@@ -11,8 +11,14 @@ and, for each higher rate, accepted throughput as a fraction of the knee's: grac
 near 1.0 while the excess is refused fast. The per-token rate limit is off for the run (one token
 drives the whole load); `LATTICE_MAX_INFLIGHT_REQUESTS` bounds what the API holds.
 
+`--role api` starts `lattice serve --role api` (HTTP only, no Ray: what a production replica runs;
+when `serve` has no `--role`, it says so and measures the full server). `--replicas 1,2` runs, at
+each offered rate, one replica and then two against the same database (the load alternating between
+them) and prints the two-replica / one-replica throughput ratio.
+
     python bench/api.py                                  # 200 req/s for 20 s on both backends
     python bench/api.py --rates 25,50,100,200,400 --duration 10 --backends sqlite
+    python bench/api.py --role api --replicas 1,2 --rates 100,400 --duration 10
 """
 
 from __future__ import annotations
@@ -61,54 +67,77 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-class Service:
-    """A `lattice serve` subprocess on a free port with its own home (and PostgreSQL schema)."""
+def serve_has_role() -> bool:
+    out = subprocess.run([sys.executable, "-m", "service", "serve", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, env=os.environ | {"COLUMNS": "200"})
+    return "--role" in out.stdout
 
-    def __init__(self, backend: str, postgres_url: str) -> None:
+
+class Service:
+    """`replicas` x `lattice serve` subprocesses, each on a free port, sharing one home and one
+    database (a fresh SQLite file, or a fresh PostgreSQL schema)."""
+
+    def __init__(self, backend: str, postgres_url: str, role: str | None = None, replicas: int = 1) -> None:
         self.backend = backend
         self.home = Path(tempfile.mkdtemp(prefix=f"lattice-bench-{backend}-"))
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.role, self.replicas = role, replicas
+        self.urls: list[str] = []
         self.schema = f"bench_{uuid.uuid4().hex[:12]}" if backend == "postgresql" else None
         self.postgres_url = postgres_url
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.procs: list[subprocess.Popen[bytes]] = []
 
-    def __enter__(self) -> Service:
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+    def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LATTICE_")}
         env |= {"LATTICE_HOME": str(self.home), "LATTICE_LOG_LEVEL": "warning"}
         env["LATTICE_RATE_LIMIT_PER_S"] = "0"  # one token drives the whole load
+        if self.schema:
+            env["LATTICE_DATABASE_URL"] = f"{self.postgres_url}?options=-csearch_path%3D{self.schema}"
+        return env
+
+    def _start_one(self, env: dict[str, str], i: int) -> None:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
+        if self.role is not None:
+            command += ["--role", self.role]
+        log = open(self.home / f"serve-{i}.log", "w")
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log_text = (self.home / f"serve-{i}.log").read_text()
+                raise RuntimeError(f"lattice serve did not start:\n{log_text}")
+            time.sleep(0.2)
+        self.urls.append(url)
+
+    def __enter__(self) -> Service:
         if self.schema:
             engine = create_engine(self.postgres_url)
             with engine.connect() as conn:
                 conn.execute(text(f'CREATE SCHEMA "{self.schema}"'))
                 conn.commit()
             engine.dispose()
-            env["LATTICE_DATABASE_URL"] = f"{self.postgres_url}?options=-csearch_path%3D{self.schema}"
-        log = open(self.home / "serve.log", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve", "--port", str(self.port)],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"lattice serve did not start:\n{(self.home / 'serve.log').read_text()}")
-            time.sleep(0.2)
+        env = self._env()
+        for i in range(self.replicas):  # one after the other: the first migrates and mints the token
+            self._start_one(env, i)
         self.token = (self.home / "token").read_text().strip()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.wait(timeout=30)
         if self.schema:
             engine = create_engine(self.postgres_url)
             with engine.connect() as conn:
@@ -117,23 +146,23 @@ class Service:
             engine.dispose()
 
 
-async def drive(url: str, token: str, rate: float, duration: float, seed: int) -> dict[str, OpStats]:
+async def drive(urls: list[str], token: str, rate: float, duration: float, seed: int) -> dict[str, OpStats]:
     stats = {"submit": OpStats(), "get": OpStats()}
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     headers = {"Authorization": f"Bearer {token}"}
-    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=10) as client:
-        first = await client.post("/v1/jobs", json=SPEC)
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=10) as client:
+        first = await client.post(f"{urls[0]}/v1/jobs", json=SPEC)
         first.raise_for_status()
         job_ids = [first.json()["id"]]
 
-        async def one(op: str) -> None:
+        async def one(op: str, url: str) -> None:
             start = time.perf_counter()
             try:
                 if op == "submit":
-                    r = await client.post("/v1/jobs", json=SPEC | {"priority": rng.randint(0, 9)})
+                    r = await client.post(f"{url}/v1/jobs", json=SPEC | {"priority": rng.randint(0, 9)})
                 else:
-                    r = await client.get(f"/v1/jobs/{rng.choice(job_ids)}")
+                    r = await client.get(f"{url}/v1/jobs/{rng.choice(job_ids)}")
             except httpx.TimeoutException:
                 stats[op].timeouts += 1
                 return
@@ -157,7 +186,8 @@ async def drive(url: str, token: str, rate: float, duration: float, seed: int) -
             delay = t0 + i / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one("submit" if i % 2 == 0 else "get")))
+            url = urls[(i // 2) % len(urls)]  # each replica gets submits and gets alike
+            tasks.append(asyncio.create_task(one("submit" if i % 2 == 0 else "get", url)))
         await asyncio.gather(*tasks)
         stats["_wall"] = OpStats(latencies=[time.perf_counter() - t0])
     return stats
@@ -205,20 +235,40 @@ def main() -> None:
         "--postgres-url", default=DEFAULT_POSTGRES, help="PostgreSQL server (a schema is created)."
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--role", choices=["all", "api"], default=None,
+                        help="`lattice serve --role` of the server (default: serve's default, all).")
+    parser.add_argument("--replicas", default="1",
+                        help="Comma-separated replica counts, e.g. 1,2: each at every rate, with the ratio.")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
+    replica_counts = [int(n) for n in args.replicas.split(",")]
+    role = args.role
+    if role is not None and not serve_has_role():
+        print(f"note: this `lattice serve` has no --role; measuring the full server instead of --role {role}")
+        role = None
     print(
         f"lattice API bench: {args.rates} req/s for {args.duration:.0f} s each per backend, "
-        f"open loop, submits and gets alternating; {os.cpu_count()} CPUs"
+        f"open loop, submits and gets alternating; role {role or 'all (default)'}, replicas "
+        f"{args.replicas}; {os.cpu_count()} CPUs"
     )
+    throughput: dict[tuple[str, int], dict[float, float]] = {}
     for backend in args.backends.split(","):
-        throughput = {}
-        for rate in rates:
-            with Service(backend, args.postgres_url) as service:
-                stats = asyncio.run(drive(service.url, service.token, rate, args.duration, args.seed))
-            throughput[rate] = report(backend, rate, stats)
-        if len(rates) > 1:
-            report_knee(backend, throughput)
+        for replicas in replica_counts:
+            throughput[(backend, replicas)] = {}
+            label = backend if replicas == 1 else f"{backend}x{replicas}"
+            for rate in rates:
+                with Service(backend, args.postgres_url, role, replicas) as service:
+                    stats = asyncio.run(drive(service.urls, service.token, rate, args.duration, args.seed))
+                throughput[(backend, replicas)][rate] = report(label, rate, stats)
+            if len(rates) > 1:
+                report_knee(label, throughput[(backend, replicas)])
+        if len(replica_counts) > 1:
+            base = throughput[(backend, replica_counts[0])]
+            for replicas in replica_counts[1:]:
+                for rate in rates:
+                    ratio = throughput[(backend, replicas)][rate] / base[rate] if base[rate] else float("nan")
+                    print(f"{backend:<10} {replicas} replicas / {replica_counts[0]} at {rate:.0f} req/s "
+                          f"offered: throughput ratio {ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -93,3 +93,10 @@ class InvalidRequest(LatticeError):
 class ServiceUnavailable(LatticeError):
     status = 503
     title = "Service unavailable"
+
+
+class NotLeader(ServiceUnavailable):
+    """A scheduler write refused by the leader fence: this process is not (or no longer) the elected
+    scheduler, so its term is not the lease's current term (service.scheduler.leader)."""
+
+    title = "Not the scheduler leader"

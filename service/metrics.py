@@ -67,6 +67,13 @@ JOB_STEP_TIME = Histogram(
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
     registry=REGISTRY,
 )
+JOB_STEP_TIME_PREDICTED = Gauge(
+    "lattice_job_step_seconds_predicted", "The planner's predicted step time.", JOB_LABELS, registry=REGISTRY
+)
+JOB_STEP_TIME_MEDIAN = Gauge(
+    "lattice_job_step_seconds_median", "Median measured step time after warm-up (the ranks' timers).",
+    JOB_LABELS, registry=REGISTRY,
+)
 JOB_CHECKPOINT_SECONDS = Gauge(
     "lattice_job_checkpoint_seconds", "Duration of the last checkpoint save.", JOB_LABELS, registry=REGISTRY
 )
@@ -118,6 +125,15 @@ RESTARTS_BY_CAUSE = Counter(
     "lattice_restarts_total", "Job restarts across all jobs, by cause.", ["cause"], registry=REGISTRY
 )
 SDC_DETECTIONS = Counter("lattice_sdc_detections_total", "SDC detections across all jobs.", registry=REGISTRY)
+PREEMPTIONS = Counter(
+    "lattice_preemptions_total", "Jobs stopped by a preemption notice and returned to the queue.",
+    registry=REGISTRY,
+)
+STEPS_LOST_TO_PREEMPTION = Counter(
+    "lattice_steps_lost_to_preemption_total",
+    "Steps after the last verified checkpoint thrown away by preemptions past their grace period.",
+    registry=REGISTRY,
+)
 
 # ---- cluster -------------------------------------------------------------------------------
 GPUS_TOTAL = Gauge("lattice_cluster_gpus_total", "GPUs per node.", ["node", "rack"], registry=REGISTRY)
@@ -129,6 +145,11 @@ NODE_HEALTH = Gauge(
     registry=REGISTRY,
 )
 NODES_QUARANTINED = Gauge("lattice_nodes_quarantined", "Nodes in quarantine.", registry=REGISTRY)
+SCHEDULER_LEADER = Gauge(
+    "lattice_scheduler_leader",
+    "1 while this process is the elected scheduler leader (it acts), else 0 (a standby or an API replica).",
+    registry=REGISTRY,
+)
 
 PER_JOB_METRICS = (
     JOB_STEP,
@@ -138,6 +159,8 @@ PER_JOB_METRICS = (
     JOB_MFU,
     JOB_MFU_PREDICTED,
     JOB_STEP_TIME,
+    JOB_STEP_TIME_PREDICTED,
+    JOB_STEP_TIME_MEDIAN,
     JOB_CHECKPOINT_SECONDS,
     JOB_CHECKPOINT_BYTES,
     JOB_RESTARTS,

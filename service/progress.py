@@ -44,6 +44,20 @@ def mfu_seconds(plan: Mapping[str, Any] | None) -> float | None:
     return float(flops) / (gpus * gpu.peak_flops)
 
 
+def memory_vs_plan(plan: Mapping[str, Any] | None, progress: Mapping[str, Any] | None
+                   ) -> dict[str, Any] | None:
+    """The peak rank's measured bytes per term next to the plan's memory_per_gpu_bytes, and their
+    ratios (None until the ranks reported their first step)."""
+    measured = ((progress or {}).get("memory") or {}).get("measured")
+    if not isinstance(measured, Mapping) or not measured:
+        return None
+    planned = (plan or {}).get("memory_per_gpu_bytes") or {}
+    ratio = {k: v / planned[k] for k, v in measured.items()
+             if isinstance(planned.get(k), int | float) and planned[k] > 0}
+    return {"measured": dict(measured), "planned": {k: planned[k] for k in measured if k in planned},
+            "ratio": ratio}
+
+
 def job_mfu(progress: Mapping[str, Any], plan_mfu_seconds: float | None) -> float | None:
     """The ranks' measured MFU, or (where they cannot name their device's peak, e.g. virtual GPUs)
     the plan's FLOPs per step over the cluster's peak and the last step time."""
@@ -97,6 +111,10 @@ def advance(doc: Mapping[str, Any] | None, *, state: str, snap: Mapping[str, Any
     out["mfu"] = job_mfu(p, plan_mfu_seconds)
     total = int(p.get("total_steps") or 0)
     out["eta_s"] = round(max(0, total - step) * out["step_time_s"], 3) if recent and total else None
+    if isinstance(p.get("perf"), Mapping):  # medians after warm-up (workers.controller.perf)
+        out["perf"] = dict(p["perf"])
+    if isinstance(p.get("memory"), Mapping):  # the ranks' memory accounts (workers.controller.ingest)
+        out["memory"] = {k: v for k, v in p["memory"].items() if k in ("ranks", "measured")}
     if p.get("val_loss") is not None:  # the held-out loss, from the last validation (data.validation)
         out["val_loss"], out["val_step"] = float(p["val_loss"]), int(p.get("val_step") or step)
     return out

@@ -2,6 +2,11 @@
 token) -> Ray (an embedded local cluster, or `connect(LATTICE_RAY_ADDRESS)`) -> the scheduler
 thread (which reconciles first) -> the HTTP API under uvicorn. `stop()` undoes it in reverse.
 
+The role picks the parts: `all` (the default) runs everything; `api` runs the HTTP API on the
+store only (no Ray: cluster views come from the nodes table and the leader lease the scheduler
+writes); `scheduler` runs Ray and the scheduler without HTTP. Every scheduler (roles `all` and
+`scheduler`) is elected (service.scheduler.leader): with several, one acts and the others wait hot.
+
 Job controllers are detached Ray actors: stopping the service leaves the jobs of an external
 cluster running, and the next service re-attaches to them. The embedded cluster belongs to the
 service and stops with it; the next service recovers its jobs from their checkpoints.
@@ -19,13 +24,14 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from sqlalchemy import Engine
 
 from service.settings import Settings
 
+Role = Literal["all", "api", "scheduler"]
 log = logging.getLogger(__name__)
 
 # Ray puts unix sockets under its temp dir (session_<date>_<pid>/sockets/plasma_store, ~62 bytes);
@@ -52,10 +58,14 @@ class Runtime:
         settings: Settings,
         *,
         with_scheduler: bool = True,
+        role: Role | None = None,
         controller_defaults: Mapping[str, Any] | None = None,
     ) -> None:
         self.settings = settings
-        self.with_scheduler = with_scheduler  # False: API and store only (no Ray, jobs stay pending)
+        # with_scheduler=False is role `api`: API and store only (no Ray; another process schedules).
+        self.role: Role = role or (settings.role if with_scheduler else "api")
+        self.with_scheduler = self.role != "api"
+        self.with_http = self.role != "scheduler"
         self.controller_defaults = dict(controller_defaults or {})
         self.engine: Engine | None = None
         self.cluster: Any = None  # workers.cluster.EmbeddedCluster when we started one
@@ -64,17 +74,19 @@ class Runtime:
         self.admin_token: str | None = None  # set when this start created the bootstrap token
         self._server: Any = None
         self._http_thread: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     # ---- start ------------------------------------------------------------------------------------
     def start(self) -> Runtime:
         from sqlalchemy.engine import make_url
         from sqlalchemy.exc import SQLAlchemyError
 
-        from service.api.app import create_app
+        from service.api.app import create_app, create_probe_app
         from service.api.data_root import DataRootError, check_data_root
+        from service.scheduler.leader import LeaderElector
         from service.scheduler.loop import Scheduler
         from service.statefiles import secure_home
-        from service.store.db import make_session_factory
+        from service.store.db import is_sqlite, make_session_factory
         from service.store.prepare import prepare_database
 
         s = self.settings
@@ -87,7 +99,7 @@ class Runtime:
         except DataRootError as e:
             raise ServiceStartError(str(e)) from e
         try:
-            self.engine, self.admin_token = prepare_database(s, bootstrap=True)
+            self.engine, self.admin_token = prepare_database(s, bootstrap=self.with_http)
         except SQLAlchemyError as e:
             where = make_url(s.db_url).render_as_string(hide_password=True)
             first = str(e).splitlines()[0]
@@ -95,13 +107,21 @@ class Runtime:
         try:
             if self.with_scheduler:
                 self._start_ray()
-                self.scheduler = Scheduler(
-                    s, make_session_factory(self.engine),
-                    read_session_factory=make_session_factory(self.engine, read_only=True),
-                    controller_defaults=self.controller_defaults,
+                elector = LeaderElector(
+                    self.engine, lease_s=s.leader_lease_s, renew_s=s.leader_renew_s,
+                    reap_dead_local_holder=is_sqlite(s.db_url),  # SQLite: every holder is on this host
                 )
+                self.scheduler = Scheduler(
+                    s, elector.session_factory(self.engine),
+                    read_session_factory=make_session_factory(self.engine, read_only=True),
+                    controller_defaults=self.controller_defaults, leader=elector,
+                )
+                elector.on_change = self.scheduler.wake
                 self.scheduler.start()
-            self.app = create_app(s, engine=self.engine, scheduler=self.scheduler)
+            if self.with_http:
+                self.app = create_app(s, engine=self.engine, scheduler=self.scheduler)
+            elif s.scheduler_port is not None:  # probes and metrics only
+                self.app = create_probe_app(s, engine=self.engine)
         except BaseException:
             self.stop()
             raise
@@ -109,12 +129,14 @@ class Runtime:
 
     def _start_ray(self) -> None:
         from workers.cluster import ClusterError, connect, start_embedded_cluster
+        from workers.shared_cluster import live_address
 
         s = self.settings
+        address = s.ray_address or live_address(s.home)  # `lattice cluster up` shares its cluster
         try:
-            if s.ray_address:
-                connect(s.ray_address)
-                log.info("connected to the Ray cluster at %s", s.ray_address)
+            if address:
+                connect(address)
+                log.info("connected to the Ray cluster at %s", address)
             else:
                 self.cluster = start_embedded_cluster(
                     racks=s.embedded_racks, nodes_per_rack=s.embedded_nodes_per_rack,
@@ -138,8 +160,18 @@ class Runtime:
         return f"http://{host}:{port or self.settings.port}"
 
     def serve_forever(self) -> None:
-        """Serve in this (main) thread until SIGINT/SIGTERM; uvicorn handles the signals."""
-        self._server = self._server_for(self.settings.host, self.settings.port)
+        """Serve in this (main) thread until SIGINT/SIGTERM; uvicorn handles the signals. Role
+        `scheduler` has no HTTP: it waits for the signal while its threads schedule."""
+        if self.app is None:  # role scheduler without a probe port: no HTTP at all
+            import signal
+
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: self._stopping.set())
+            while not self._stopping.wait(1.0):  # a timed wait lets the signal handler run
+                pass
+            return
+        port = self.settings.port if self.with_http else self.settings.scheduler_port
+        self._server = self._server_for(self.settings.host, port or self.settings.port)
         self._server.run()
 
     def serve_in_thread(self, port: int | None = None, timeout_s: float = 30.0) -> str:
@@ -158,6 +190,7 @@ class Runtime:
 
     # ---- stop -------------------------------------------------------------------------------------
     def stop(self) -> None:
+        self._stopping.set()
         if self._server is not None:
             self._server.should_exit = True
         if self._http_thread is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -39,6 +40,11 @@ class Settings(BaseSettings):
     embedded_gpus_per_node: int = Field(4, ge=1, description="Embedded cluster: virtual GPUs per node.")
     gpu_type: str = Field(
         "cpu-virtual", description="GPU type the planner assumes for the cluster (a planner hardware preset)."
+    )
+    planner_feedback: bool = Field(
+        True, description="A finished job without faults refines the compute efficiency of the hardware "
+        "profile its plan used (a bounded step toward what it measured; docs/planner.md, "
+        "\"Learning from jobs\")."
     )
     checkpoint_root: Path | None = Field(
         None,
@@ -88,11 +94,34 @@ class Settings(BaseSettings):
     scheduler_interval_s: float = Field(
         1.0, gt=0, description="Period of the scheduler/reconciler loop when nothing wakes it earlier."
     )
+    role: Literal["all", "api", "scheduler"] = Field(
+        "all", description="What `lattice serve` runs: all (API + scheduler), api (HTTP only, never touches "
+        "Ray; several may run), scheduler (no HTTP; several may run, one elected leader acts).",
+    )
+    scheduler_port: int | None = Field(
+        None, ge=1, le=65535, description="Role scheduler: serve /healthz, /readyz and /metrics on this port "
+        "(unset: no HTTP at all).",
+    )
+    leader_lease_s: float = Field(
+        6.0, gt=0, description="Scheduler leader lease: a leader not renewing for this long is replaced.",
+    )
+    leader_renew_s: float = Field(
+        2.0, gt=0, description="How often the scheduler leader renews its lease (below leader_lease_s).",
+    )
     log_level: str = Field("info", description="Log level of the service (debug, info, warning, error).")
     data_root: Path | None = Field(
         None,
         description="Folder that holds the token files jobs may read (`data.path` is resolved inside it; "
         "created 0700 if missing); unset = <home>/data. Must not contain the service's own state.",
+    )
+    preempt_for_priority: bool = Field(
+        False, description="A queued job that does not fit preempts running jobs of lower priority (they "
+        "checkpoint at the next step and requeue; docs/fault_tolerance.md). Off: it waits, as before.",
+    )
+    preempt_notice_dir: Path | None = Field(
+        None,
+        description="Where a node agent writes a cloud preemption notice (a file named after the node): the "
+        "scheduler drains that node, its jobs checkpoint and move; unset = <home>/preempt.",
     )
     max_body_bytes: int = Field(
         1 << 20, ge=1024, description="Largest request body, checked before authentication (413 above)."
@@ -112,6 +141,14 @@ class Settings(BaseSettings):
     rate_limit_burst: int = Field(
         200, ge=1, description="Requests a token may send at once before the rate applies."
     )
+    plan_workers: int = Field(
+        2, ge=1, le=64, description="Processes that run POST /v1/plans searches (a bounded pool: planning "
+        "never holds the API's event loop or its threads).",
+    )
+    plan_cpu_budget_s: float = Field(
+        2.0, gt=0, le=600, description="CPU seconds one plan search may use; over it 422 'search too large' "
+        "naming the layout fields to pin.",
+    )
 
     @model_validator(mode="after")
     def _resolve_paths(self) -> Settings:
@@ -123,6 +160,8 @@ class Settings(BaseSettings):
             self.token_file = self.home / "token"
         if self.data_root is None:
             self.data_root = self.home / "data"
+        if self.preempt_notice_dir is None:
+            self.preempt_notice_dir = self.home / "preempt"
         return self
 
     # Typed accessors (the validator above guarantees these are set).

@@ -102,3 +102,17 @@ def db_session_factory(db_engine: Engine) -> sessionmaker[Session]:
     from service.store.db import make_session_factory
 
     return make_session_factory(db_engine)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` skip on a machine without CUDA (torch is imported only if there are any)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in gpu_items:
+        item.add_marker(skip)

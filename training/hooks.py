@@ -28,6 +28,12 @@ class StepInfo:
     step_time_s: float
     mfu: float | None  # None when the device's peak FLOP/s is unknown (CPU)
     data_positions: list[int]  # global sample indices this rank trained on in this step
+    # Seconds per phase of the step (training.phase_timer.PHASES: data, compute = forward + backward
+    # (with pp > 1 the whole pipeline schedule), integrity, dp_sync, optimizer, summary).
+    phases: dict[str, float] = field(default_factory=dict)
+    # This rank's bytes per memory term (training.parallel.memory.MemoryAccount), on the first step
+    # of an attempt only: params, grads, optimizer, activations (peak), peak_allocated (CUDA).
+    memory: dict[str, int | None] | None = None
 
 
 class TrainHooks:

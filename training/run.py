@@ -7,7 +7,7 @@ priority, resources, fault_tolerance) are ignored:
 
     model:        explicit ModelSpec fields (layers, hidden, heads, vocab, seq_len, ...)
     data:         {kind: synthetic | tokens, path, seed}
-    train:        {steps, global_batch, lr, seed, dp_impl, weight_decay, grad_clip}
+    train:        {steps, global_batch, lr, seed, dp_impl, weight_decay, grad_clip, compile, precision}
     parallelism:  an explicit layout dict (tp, pp, dp, zero_stage, micro_batch_size, ...)
     checkpoint:   {dir, every_steps, keep, async_save}
 
@@ -33,7 +33,8 @@ from training.config.spec import ModelSpec, SpecError
 
 log = logging.getLogger("training.run")
 
-_TRAIN_KEYS = {"steps", "global_batch", "lr", "seed", "dp_impl", "weight_decay", "grad_clip"}
+_TRAIN_KEYS = {"steps", "global_batch", "lr", "seed", "dp_impl", "weight_decay", "grad_clip", "compile",
+               "precision"}
 
 
 def _section(job: dict[str, Any], name: str) -> dict[str, Any]:
@@ -53,8 +54,16 @@ def _build(cls: type, job: dict[str, Any], name: str) -> Any:
     return cls(**section)
 
 
-def run_config_from_job(job: dict[str, Any], world_size: int) -> RunConfig:
-    """A RunConfig from a Lattice job yaml (explicit model and layout only)."""
+def _flag(section: dict[str, Any], key: str) -> bool:
+    value = section.get(key, False)
+    if not isinstance(value, bool):
+        raise SpecError(f"train.{key} must be true or false, got {value!r}")
+    return value
+
+
+def run_config_from_job(job: dict[str, Any], world_size: int, device_type: str = "cpu") -> RunConfig:
+    """A RunConfig from a Lattice job yaml (explicit model and layout only); train.precision defaults
+    to bf16_fp32_adam on CUDA and fp32 elsewhere."""
     model = _section(job, "model")
     if "preset" in model:
         raise SpecError(
@@ -111,6 +120,8 @@ def run_config_from_job(job: dict[str, Any], world_size: int) -> RunConfig:
         data=_build(DataConfig, job, "data"),
         checkpoint=_build(CheckpointConfig, job, "checkpoint"),
         dp_impl=train.get("dp_impl", "lattice"),
+        compile=_flag(train, "compile"),
+        precision=train.get("precision") or ("bf16_fp32_adam" if device_type == "cuda" else "fp32"),
     )
 
 
@@ -135,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             job.setdefault("train", {})["steps"] = args.steps
         if args.checkpoint_dir is not None:
             job.setdefault("checkpoint", {})["dir"] = args.checkpoint_dir
-        cfg = run_config_from_job(job, ctx.world_size)
+        cfg = run_config_from_job(job, ctx.world_size, ctx.device.type)
 
         class Progress(TrainHooks):
             def on_step(self, info: StepInfo) -> None:

@@ -13,7 +13,8 @@ source, restores the newest valid checkpoint, then runs `cfg.steps` optimizer st
   4. the global-batch mean loss (the same on every rank), NaN/Inf and spike checks, and every
      `integrity.fingerprint_every` steps the DP replicas' parameter fingerprints are compared
      (only when replicas must be bitwise equal: ZeRO-0/1 with dp > 1); before the DP reduction
-     each rank also checks its own gradient norm (`hooks.audit`, training.integrity.attribution);
+     each rank also checks its own gradient norm (`hooks.audit`, training.integrity.attribution),
+     and the DP reduction carries the gradient checks (training.integrity.gradient; opt-in .abft);
   5. the hooks see the progress and may ask for a checkpoint or a stop.
 Control decisions (checkpoint, stop, integrity failure) are agreed by all ranks with one small
 all-reduce per step, so no rank leaves a collective the others are in. A failed check that a vote
@@ -29,6 +30,7 @@ a checkpoint of step s resumes at step s + 1.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -44,13 +46,16 @@ from training.config.validate import check_layout_for_model
 from training.data.sources import make_data_source
 from training.data.validation import evaluate, validation_source
 from training.hooks import Action, StepInfo, TrainHooks, TrainResult
+from training.integrity.abft import GradABFT
 from training.integrity.attribution import LocalGradCheck, StepSnapshot
 from training.integrity.detectors import IntegrityError, LossSpikeDetector, check_finite
 from training.integrity.digest import full_state, model_digest
 from training.integrity.fingerprint import FingerprintVote, param_fingerprint, summarize_step
+from training.integrity.gradient import attach_gradient_audits, take_gradient_checks
 from training.integrity.rerun import rerun_attribution, shared_error
 from training.model.transformer import Transformer
 from training.parallel.dist import DistContext, peak_flops
+from training.parallel.memory import MemoryAccount, SavedTensorMeter, account, grad_bytes
 from training.parallel.mesh import ParallelDims
 from training.parallel.optim import (
     build_optimizer,
@@ -61,7 +66,9 @@ from training.parallel.optim import (
 )
 from training.parallel.parallelize import parallelize
 from training.parallel.pipeline import Pipeline, build_pipeline
+from training.parallel.precision import masters_in_place, with_masters
 from training.parallel.wrapping import unwrap
+from training.phase_timer import PhaseTimer
 
 __all__ = ["Action", "StepInfo", "TrainHooks", "TrainResult", "Trainer", "train"]
 
@@ -94,13 +101,18 @@ class Trainer:
             from training.interop.load import load_init_weights
 
             load_init_weights(list(self.parts), cfg.init_from, cfg.model, layout.ep)
-        self.optimizers = [build_optimizer([p], layout, cfg, self.dp_group) for p in self.parts]
+        self.optimizers = [with_masters(build_optimizer([p], layout, cfg, self.dp_group), p)
+                           for p in self.parts]  # bf16 runs step fp32 masters (parallel.precision)
         self.data = make_data_source(cfg.data, cfg.model, cfg.global_batch)
         self.val_source = validation_source(cfg, self.data)  # None without data.validation
         self.spikes = LossSpikeDetector(cfg.integrity.loss_spike_factor)
         audit = self.hooks.audit
         self.local_check = (LocalGradCheck(audit.grad_spike_factor, audit.grad_warmup)
                             if audit is not None and audit.local_grad_check else None)
+        self.grad_audits = attach_gradient_audits(self.modules, audit, self.hooks.injector,
+                                                  outliers=cfg.model.num_experts == 0)
+        self.abft = (GradABFT(self.parts[0]) if cfg.integrity.abft and layout.pp == 1
+                     and cfg.dp_impl == "lattice" else None)  # p.grad is local before our DDP's sync
         snapshot = audit is not None and audit.wants_snapshot(layout.dp, layout.zero_stage)
         self.snapshot = StepSnapshot(self.parts, self.optimizers) if snapshot else None
         self.last_vote: FingerprintVote | None = None
@@ -111,6 +123,9 @@ class Trainer:
         self.flops_per_token = flops_per_token or model_flops_per_token(cfg.model)
         self.peak = peak_flops(ctx.device)
         self.step = 0
+        self.memory: MemoryAccount | None = None  # measured on this attempt's first step
+        self.steps_run, self.memory_reported = 0, False
+        self.timer = PhaseTimer(ctx.device)  # per-phase step times, reported with each step
         # Owns the async save in flight; closed when the attempt ends (`close`).
         self.checkpointer = Checkpointer()
 
@@ -120,8 +135,9 @@ class Trainer:
         if not root:
             return None
         allowed = self.hooks.restore_steps
-        loaded = self.checkpointer.load_latest(root, list(self.parts), self.optimizers,
-                                               allowed_steps=None if allowed is None else set(allowed))
+        with masters_in_place(self.optimizers):
+            loaded = self.checkpointer.load_latest(root, list(self.parts), self.optimizers,
+                                                   allowed_steps=None if allowed is None else set(allowed))
         if loaded is None:
             return None
         step, extra = loaded
@@ -139,10 +155,12 @@ class Trainer:
         previous = self.checkpointer.wait_pending()
         if previous is not None:
             done.append(previous)
-        info = self.checkpointer.save(c.dir, self.step, list(self.parts), self.optimizers,
-                                      {"data": self.data.state_dict()}, keep=c.keep, async_save=c.async_save,
-                                      describe={"model.json": self.cfg.model.to_dict(),
-                                                "layout.json": self.cfg.layout.to_dict()})
+        with masters_in_place(self.optimizers):  # the fp32 masters are what a checkpoint keeps
+            info = self.checkpointer.save(c.dir, self.step, list(self.parts), self.optimizers,
+                                          {"data": self.data.state_dict()}, keep=c.keep,
+                                          async_save=c.async_save,
+                                          describe={"model.json": self.cfg.model.to_dict(),
+                                                    "layout.json": self.cfg.layout.to_dict()})
         if info.committed:
             done.append(info)
         return done
@@ -190,8 +208,10 @@ class Trainer:
         return [item for part in self.parts for item in part.named_parameters()]
 
     def check_local_grads(self, step: int, rerun: bool) -> None:
+        if self.abft is not None:  # read by take_gradient_checks
+            self.abft.verify(step, self.ctx.rank)
         check = self.local_check
-        if check is None:
+        if check is None or self.grad_audits:  # with the gradient checksums: take_gradient_checks
             return
         params = [p for _, p in self.named_parameters()]
         if rerun:
@@ -202,27 +222,55 @@ class Trainer:
     def train_step(self, step: int, rerun: bool = False) -> tuple[float, list[int]]:
         """One optimizer step. `rerun`: the same step again from the snapshot (no new snapshot;
         the local gradient check reports without adding to its history)."""
-        dims = self.dims
+        dims, timer = self.dims, self.timer
+        timer.start()
         inputs, targets = self.data.batch(step, dims.dp_rank, dims.dp_size)
         positions = self.data.positions(step, dims.dp_rank, dims.dp_size)
         if self.snapshot is not None and not rerun:
-            self.snapshot.capture(step)
+            with masters_in_place(self.optimizers):
+                self.snapshot.capture(step)
         injector = self.hooks.injector
         if injector is not None:
             injector.arm_grad_flips(step, self.named_parameters())
         self._local_error = None
-        local_loss = self.forward_backward(inputs.to(self.ctx.device), targets.to(self.ctx.device),
-                                           before_sync=lambda: self.check_local_grads(step, rerun))
+        for grad_audit in self.grad_audits:  # gradient SDC checks inside the DP reduction
+            grad_audit.begin(step)
+        inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
+        timer.mark("data")
+
+        def before_sync() -> None:
+            timer.mark("compute")
+            self.check_local_grads(step, rerun)
+            timer.mark("integrity")
+
+        # The first step's memory account; with a pipeline the second's (the first also runs the
+        # schedule's one-time shape inference).
+        self.steps_run += 0 if rerun else 1
+        due = self.memory is None and not rerun and self.steps_run == (1 if self.pipeline is None else 2)
+        meter = SavedTensorMeter(self.parts, saved_hooks=not self.cfg.compile) if due else None
+        with meter.track(self.ctx.device) if meter is not None else contextlib.nullcontext():
+            local_loss = self.forward_backward(inputs, targets, before_sync=before_sync)
+        grads = grad_bytes(self.parts) if meter is not None else 0  # zero_grad frees them below
+        take_gradient_checks(self, step, rerun)
+        timer.mark("dp_sync")
         if self.cfg.optim.grad_clip:
             clip_grad_norm(list(self.parts), self.cfg.optim.grad_clip, dims.group("pp"))
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if meter is not None:  # the first step's memory account (training.parallel.memory)
+            self.memory = account(self.parts, self.optimizers, grads, meter, self.ctx.device,
+                                  self.cfg.layout.zero_stage)
+        timer.mark("optimizer")
         if injector is not None:
             injector.maybe_flip_params(step, self.named_parameters())
         self.step = step
-        fingerprint = param_fingerprint(list(self.parts)) if self.fingerprint_due(step) else None
+        fingerprint = None
+        if self.fingerprint_due(step):
+            with masters_in_place(self.optimizers, replicated_only=True):  # fp32 masters (not ZeRO-1's)
+                fingerprint = param_fingerprint(list(self.parts))
         loss, self.pending_vote = self.step_summary(local_loss, fingerprint)
+        timer.mark("summary")
         return loss, positions
 
     def fingerprint_due(self, step: int) -> bool:
@@ -258,10 +306,12 @@ class Trainer:
         self.checkpointer.close()
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        return full_state(list(self.parts), self.cfg.layout, self.dims.mesh)
+        with masters_in_place(self.optimizers):
+            return full_state(list(self.parts), self.cfg.layout, self.dims.mesh)
 
     def digest(self) -> str:
-        return model_digest(list(self.parts), self.cfg.layout, self.dims.mesh)
+        with masters_in_place(self.optimizers):
+            return model_digest(list(self.parts), self.cfg.layout, self.dims.mesh)
 
 
 def _as_transformer(module: nn.Module) -> Transformer:
@@ -316,7 +366,10 @@ def _run(trainer: Trainer, hooks: TrainHooks, resume: bool) -> TrainResult:
         losses.append(loss)
         tps = tokens_per_step / elapsed
         utilisation = mfu(tps, trainer.flops_per_token, cfg.layout.world_size, trainer.peak)
-        action = hooks.on_step(StepInfo(step, loss, tps, elapsed, utilisation, positions)) or Action.CONTINUE
+        memory = trainer.memory.to_dict() if trainer.memory and not trainer.memory_reported else None
+        trainer.memory_reported = trainer.memory is not None
+        info = StepInfo(step, loss, tps, elapsed, utilisation, positions, trainer.timer.read(), memory=memory)
+        action = hooks.on_step(info) or Action.CONTINUE
         want_ckpt, want_stop = _agree_on_step(trainer, hooks, step, action, error)
         val = cfg.data.validation
         if val is not None and trainer.val_source is not None and step % val.every_steps == 0:

@@ -113,6 +113,14 @@ class ControllerClient:
         except RayActorError as e:
             raise ControllerGone(f"job {self.job_id}: controller gone while cancelling") from e
 
+    def preempt(self, reason: str, grace_s: float, timeout_s: float) -> bool:
+        """Send a preemption notice: the ranks checkpoint at the next step boundary and stop, and the
+        controller ends PREEMPTED (workers.controller.preempt). False if it already had one or is ending."""
+        try:
+            return bool(ray.get(self._handle.preempt.remote(reason, grace_s), timeout=timeout_s))
+        except RayError as e:
+            raise _translate(self.job_id, "preempt", e) from e
+
     def update_nodes(self, health: Mapping[str, str], cordoned: Collection[str]) -> None:
         """Push the service's node ledger (does not wait)."""
         try:

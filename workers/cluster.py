@@ -103,7 +103,7 @@ class EmbeddedCluster:
         # A machine that loses power takes its worker processes with it; Ray's workers would
         # otherwise outlive their raylet for a while. Kill them first, then the node's daemons.
         roots = [p.process.pid for procs in node.all_processes.values() for p in procs if p.process]
-        for pid in _descendants(roots):
+        for pid in descendants(roots):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -112,6 +112,10 @@ class EmbeddedCluster:
 
     def node_names(self) -> list[str]:
         return sorted(self._nodes)
+
+    def ray_nodes(self) -> list[Any]:
+        """The head's and the simulated nodes' ray._private.node.Node objects (their processes)."""
+        return [self._cluster.head_node, *self._nodes.values()]
 
     def serve_node_kills(self) -> Any:
         """Let job controllers remove nodes of this cluster (kill_node faults) through the
@@ -140,7 +144,7 @@ class EmbeddedCluster:
         self._nodes.clear()
 
 
-def _descendants(roots: list[int]) -> list[int]:
+def descendants(roots: list[int]) -> list[int]:
     """Every descendant process of `roots` (Linux /proc; [] elsewhere)."""
     children: dict[int, list[int]] = {}
     try:
@@ -163,6 +167,9 @@ def _descendants(roots: list[int]) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+_descendants = descendants  # the older private name (tests/deploy/test_ray_loopback.py)
 
 
 def _node_args(cfg: EmbeddedClusterConfig, rack: str, name: str, gpus: int | None = None) -> dict[str, Any]:
@@ -188,11 +195,13 @@ def start_embedded_cluster(
     namespace: str = NAMESPACE,
     host: str = LOOPBACK,
     connect_driver: bool = True,
+    detached: bool = False,
     timeout_s: float = 120.0,
 ) -> EmbeddedCluster:
     """Start the head and the simulated nodes (in parallel), wait for all of them, and (by
     default) connect this process as the driver in `namespace`. Every Ray process binds to `host`
-    (loopback unless a caller really wants the simulated cluster reachable from elsewhere)."""
+    (loopback unless a caller really wants the simulated cluster reachable from elsewhere).
+    `detached`: the Ray processes outlive this process (workers.shared_cluster stops them)."""
     from ray._common.utils import get_default_ray_temp_dir
     from ray.cluster_utils import Cluster
 
@@ -220,7 +229,7 @@ def start_embedded_cluster(
     if metrics_export_port is not None:
         head_args["metrics_export_port"] = metrics_export_port
     try:
-        cluster = Cluster(initialize_head=True, head_node_args=head_args)
+        cluster = Cluster(initialize_head=True, head_node_args=head_args, shutdown_at_exit=not detached)
         nodes = {}
         for rack, name in cfg.node_names():
             nodes[name] = cluster.add_node(wait=False, **_node_args(cfg, rack, name))

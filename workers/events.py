@@ -53,8 +53,11 @@ class EventKind(enum.StrEnum):
     RESTORE = "restore"  # the verified checkpoint a restart resumed from, and the steps lost
     RESUMED = "resumed"  # the first step after a recovery
     CANCELLED = "cancelled"
+    PREEMPTION_REQUESTED = "preemption_requested"  # a notice: checkpoint at the next step, then stop
+    PREEMPTED = "preempted"  # stopped after a preemption notice: step, restore_step, steps_lost
     ERROR = "error"
     JOB_ERROR = "job_error"  # the failure is the job's own (bad spec or data, reproduced): no node blamed
+    MEMORY = "memory"  # every rank's memory account of its first step (training.parallel.memory), per term
     # ---- reported by ranks, and by the controller too -------------------------------------------
     STARTED = "started"  # rank: its process group is up; controller: the ranks of an attempt started
     FINISHED = "finished"

@@ -29,6 +29,7 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
+from workers.collective_trace import dump_path, watchdog_prefix
 from workers.engine_imports import import_callable, warm_imports
 from workers.events import CheckpointReport, CollectiveReport, EventKind, FaultReport, plain, rank_event
 from workers.logs import LogTarget, capture_rank_output
@@ -132,6 +133,8 @@ class RankActor:
         self._controller_handle: Any = None
         self._attempts = 0
         self._log_target: LogTarget | None = None
+        self._job_dir: str | None = None  # where the flight recorder is dumped (workers.collective_trace)
+        self._backend = "gloo"
         warm_imports()  # a replacement rank imports the engine while its peers reset
 
     # ---- where am I -------------------------------------------------------------------------
@@ -179,10 +182,12 @@ class RankActor:
         rendezvous_timeout_s: float = 120.0,
         restore_steps: list[int] | None = None,
         log_target: LogTarget | None = None,
+        collective_timeout_s: float | None = None,
     ) -> None:
         """Train in a background thread. `restore_steps`: the checkpoints it may resume from
         (the verified ones; None = any valid one); `log_target`: the attempt's log folder (this
-        rank's output goes to its file there). May run again after `reset()`."""
+        rank's output goes to its file there); `collective_timeout_s`: the process group's timeout
+        (rendezvous and every collective; default `rendezvous_timeout_s`). May run again after `reset()`."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError(f"rank {self.rank} is still training")
         self.restore_steps = None if restore_steps is None else set(restore_steps)
@@ -197,7 +202,8 @@ class RankActor:
         self._log_target = log_target
         self._thread = threading.Thread(
             target=self._run_captured,
-            args=(master_addr, master_port, run_cfg, resume, train_fn, flops_per_token, rendezvous_timeout_s),
+            args=(master_addr, master_port, run_cfg, resume, train_fn, flops_per_token,
+                  max(rendezvous_timeout_s, collective_timeout_s or 0.0)),
             name=f"lattice-rank-{self.rank}",
             daemon=True,
         )
@@ -215,7 +221,7 @@ class RankActor:
         resume: bool,
         train_fn: str,
         flops_per_token: float | None,
-        rendezvous_timeout_s: float,
+        timeout_s: float,
     ) -> None:
         os.environ.update(
             {
@@ -231,9 +237,11 @@ class RankActor:
             if not torch.cuda.is_available():
                 torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
             fn = import_callable(train_fn)
-            ctx = init_distributed(
-                self.rank, self.world_size, master_addr, master_port, timeout_s=rendezvous_timeout_s
-            )
+            job_dir = getattr(getattr(run_cfg, "checkpoint", None), "dir", None)
+            self._job_dir = job_dir
+            ctx = init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=timeout_s,
+                                   trace_prefix=watchdog_prefix(job_dir) if job_dir else None)
+            self._backend = ctx.backend
             self.record(EventKind.STARTED, {"backend": ctx.backend, "device": str(ctx.device)})
             try:
                 result = fn(ctx, run_cfg, make_hooks(self), resume=resume, flops_per_token=flops_per_token)
@@ -410,6 +418,15 @@ class RankActor:
                 "result": self._result,
                 "error": self._error,
             }
+
+    def dump_collectives(self) -> str | None:
+        """Write this rank's flight recorder (its recent collectives) into the job's folder; the file
+        or None (no job folder, no process group yet, or no flight recorder in this torch)."""
+        if self._job_dir is None:
+            return None
+        from training.parallel.dist import dump_flight_recorder
+
+        return dump_flight_recorder(dump_path(self._job_dir, self.rank), self._backend)
 
     def stop(self) -> None:
         """Release a hung hook; the process itself is ended by the worker group (ray.kill)."""

@@ -121,6 +121,10 @@ class WorkerGroup(ABC):
     def request_action(self, action: str) -> None:  # noqa: B027 - an optional hook that may do nothing
         """Ask every rank for 'checkpoint' / 'stop' / 'checkpoint_and_stop' at the next step."""
 
+    def dump_collectives(self) -> None:  # noqa: B027 - an optional hook that may do nothing
+        """Ask every live rank to write its flight recorder into the job's folder
+        (workers.collective_trace)."""
+
 
 RemoteRankActor = ray.remote(RankActor)
 
@@ -135,6 +139,7 @@ class RayWorkerGroup(WorkerGroup):
         start_timeout_s: float = 120.0,
         poll_timeout_s: float = 10.0,
         rendezvous_timeout_s: float = 120.0,
+        collective_timeout_s: float | None = None,
         train_fn: str = DEFAULT_TRAIN_FN,
         flops_per_token: float | None = None,
         env_vars: Mapping[str, str] | None = None,
@@ -149,6 +154,7 @@ class RayWorkerGroup(WorkerGroup):
         self.start_timeout_s = start_timeout_s
         self.poll_timeout_s = poll_timeout_s
         self.rendezvous_timeout_s = rendezvous_timeout_s
+        self.collective_timeout_s = collective_timeout_s
         self.train_fn = train_fn
         self.flops_per_token = flops_per_token
         self.env_vars = {"OMP_NUM_THREADS": "1", **(env_vars or {})}
@@ -226,7 +232,7 @@ class RayWorkerGroup(WorkerGroup):
                     a.start.remote(
                         addr, port, run_cfg, resume=resume, train_fn=self.train_fn,
                         flops_per_token=self.flops_per_token, rendezvous_timeout_s=self.rendezvous_timeout_s,
-                        restore_steps=steps, log_target=logs,
+                        collective_timeout_s=self.collective_timeout_s, restore_steps=steps, log_target=logs,
                     )
                     for a in self._actors
                 ],
@@ -342,6 +348,15 @@ class RayWorkerGroup(WorkerGroup):
             except (ActorDiedError, RayActorError) as e:
                 out[rank] = RankStatus(rank=rank, state="dead", error=str(e)[:500])
         return GroupStatus(out)
+
+    def dump_collectives(self) -> None:
+        refs = [a.dump_collectives.remote() for a in self._actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.poll_timeout_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - a dead or stuck rank has no dump; the others do
+                log.debug("dump_collectives: %s", e)
 
     def actors(self) -> list[Any]:
         return list(self._actors)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import sqlalchemy as sa
+from alembic import op
+
 revision: str = '0006'
 down_revision: str | None = '0005'
 branch_labels: str | Sequence[str] | None = None
@@ -16,8 +19,14 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    pass
+    with op.batch_alter_table('tenants') as batch:
+        batch.add_column(sa.Column('gpu_quota', sa.Integer(), nullable=True))
+        batch.add_column(sa.Column('weight', sa.Float(), server_default=sa.text('1.0'), nullable=False))
+        batch.add_column(sa.Column('borrowing', sa.Boolean(), server_default=sa.false(), nullable=False))
 
 
 def downgrade() -> None:
-    pass
+    with op.batch_alter_table('tenants') as batch:
+        batch.drop_column('borrowing')
+        batch.drop_column('weight')
+        batch.drop_column('gpu_quota')

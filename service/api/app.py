@@ -17,6 +17,7 @@ from service.api.deps import SchedulerHook, get_principal
 from service.api.limits import BodyLimitMiddleware
 from service.api.middleware import MetricsMiddleware
 from service.api.overload import LoadShedMiddleware, RateLimitMiddleware
+from service.api.planning import PlanPool
 from service.api.problems import add_problem_schemas, install_problem_handlers, problem_responses
 from service.api.routes import cluster, exports, faults, health, jobs, logs, plans, tenants, tokens
 from service.settings import Settings, get_settings
@@ -41,6 +42,7 @@ def create_app(
     app.state.session_factory = make_session_factory(engine)
     app.state.read_session_factory = make_session_factory(engine, read_only=True)
     app.state.scheduler = scheduler
+    app.state.plan_pool = PlanPool.from_settings(settings)  # plan searches run in worker processes
     check_data_root(settings)  # refuse to start with a data root that exposes the service's state
     install_problem_handlers(app)
     app.add_middleware(MetricsMiddleware)
@@ -67,4 +69,18 @@ def create_app(
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+def create_probe_app(settings: Settings, *, engine: Engine) -> FastAPI:
+    """What a `--role scheduler` process serves on LATTICE_SCHEDULER_PORT: /healthz, /readyz and
+    /metrics (its scheduler's metrics: the jobs' series and `lattice_scheduler_leader`), no API."""
+    app = FastAPI(title="Lattice scheduler", version="0.1.0")
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.session_factory = make_session_factory(engine)
+    app.state.read_session_factory = make_session_factory(engine, read_only=True)
+    app.state.scheduler = None
+    install_problem_handlers(app)
+    app.include_router(health.router)
     return app

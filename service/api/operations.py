@@ -8,7 +8,7 @@ import binascii
 import hashlib
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -30,7 +30,11 @@ from service.errors import (
 from service.schemas import JobPublic, JobSpec
 from service.settings import Settings
 from service.store import tenants as tenant_store
+from service.store.db import read_phase
 from service.store.models import Job, JobState, Tenant
+
+if TYPE_CHECKING:
+    from service.planner.efficiency import HardwareProfile
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +42,21 @@ _CANCEL_RETRIES = 5
 
 
 # ---- planning ------------------------------------------------------------------------------------
-def plan_job(spec: JobSpec, settings: Settings) -> dict[str, Any]:
+def plan_job(spec: JobSpec, settings: Settings, profile: HardwareProfile | None = None) -> dict[str, Any]:
     """The Plan for a spec: searched (`parallelism: auto`), filled in (a partial layout) or
     evaluated (a layout that runs as given), all by service.planner.plan_layout.
 
     The cluster is the one the settings describe (the embedded shape) unless the spec asks for
     a GPU count; the scheduler re-plans if the live cluster differs.
     """
-    from service.planner import ClusterSpec, PlannerError, TrainSpec, layout_gpus, plan_layout
+    from service.planner import (
+        ClusterSpec,
+        PlannerError,
+        TrainSpec,
+        default_precision,
+        layout_gpus,
+        plan_layout,
+    )
 
     try:
         model = spec.model_spec()
@@ -66,9 +77,11 @@ def plan_job(spec: JobSpec, settings: Settings) -> dict[str, Any]:
             num_gpus=num_gpus,
             gpus_per_node=settings.embedded_gpus_per_node,
             nodes_per_rack=settings.embedded_nodes_per_rack,
+            profile=profile,  # the newest measured profile of this GPU type (service.store.profiles)
         )
         train = TrainSpec(
-            global_batch=spec.train.global_batch, seq_len=model.seq_len, precision=spec.train.precision
+            global_batch=spec.train.global_batch, seq_len=model.seq_len,
+            precision=spec.train.precision or default_precision(cluster.gpu_type),
         )
         result = plan_layout(model, train, cluster, given, gpus_from=gpus_from)
     except (PlannerError, ValueError) as e:
@@ -96,12 +109,18 @@ def submit_job(
     """
     digest = request_hash(spec)
     if idempotency_key is not None:
+        read_phase(session)  # a lookup: no SQLite write lock for it
         replay = _replay(session, principal, idempotency_key, digest)
         session.commit()  # end the (read) transaction before planning
         if replay is not None:
             return replay, False
     check_submit_policy(session, principal, spec, settings)
-    plan = plan_job(spec, settings)
+    from service.store.profiles import profile_for
+
+    read_phase(session)
+    profile = profile_for(session, spec.resources.gpu_type or settings.gpu_type)
+    session.commit()  # end the read before planning: no transaction (nor lock) held while it plans
+    plan = plan_job(spec, settings, profile)
     check_plan_fits(spec, plan)
     stored = spec.canonical()
     if spec.data.kind == "tokens" and spec.data.path:  # the ranks open the resolved path, never the user's
@@ -149,7 +168,8 @@ def submit_job(
 
 
 def check_submit_policy(session: Session, principal: Principal, spec: JobSpec, settings: Settings) -> None:
-    """What only an admin may ask for: spec faults (and only with injection on), `allow_unfit`, and a
+    """What only an admin may ask for: spec faults (and only with injection on), `allow_unfit`,
+    `preemption.preemptible: false`, and a
     priority above the tenant's cap (tenants.max_priority, else LATTICE_MAX_USER_PRIORITY)."""
     if spec.faults:
         if not principal.is_admin:
@@ -164,6 +184,10 @@ def check_submit_policy(session: Session, principal: Principal, spec: JobSpec, s
         return
     if spec.allow_unfit:
         raise _field_error(Forbidden, "allow_unfit", "only an admin may run a job whose plan does not fit")
+    if not spec.preemption.preemptible:
+        raise _field_error(Forbidden, "preemption.preemptible",
+                           "only an admin may make a job non-preemptible")
+    read_phase(session)
     tenant = session.get(Tenant, principal.tenant)
     cap = tenant.max_priority if tenant is not None and tenant.max_priority is not None else None
     cap = settings.max_user_priority if cap is None else cap

@@ -121,6 +121,9 @@ def install_problem_handlers(app: FastAPI) -> None:
     async def _lattice(request: Request, exc: LatticeError) -> ProblemResponse:
         errors = [FieldError.model_validate(e) for e in exc.errors] if exc.errors else None
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        retry_after = getattr(exc, "retry_after_s", None)  # e.g. service.api.planning.PlanningBusy
+        if retry_after is not None:
+            headers = {"Retry-After": str(retry_after)}
         return problem_response(
             exc.status, exc.title, exc.detail, instance=request.url.path, errors=errors, headers=headers
         )

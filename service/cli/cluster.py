@@ -1,14 +1,27 @@
-"""`lattice cluster status|cordon NODE|uncordon NODE`: the cluster as `GET /v1/cluster` shows it,
-and an admin's cordon and uncordon of a node through the API."""
+"""`lattice cluster status|cordon NODE|uncordon NODE|drain NODE`: the cluster as `GET /v1/cluster` shows it,
+and an admin's cordon and uncordon of a node through the API. `lattice cluster up|down`: the shared
+embedded cluster (workers.shared_cluster) that every role on this machine joins when
+LATTICE_RAY_ADDRESS is unset."""
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from service.cli.app import Output, OutputOption, client_for, one_line_errors, out, print_json, print_table
+from service.cli.app import (
+    Output,
+    OutputOption,
+    client_for,
+    load_settings,
+    one_line_errors,
+    out,
+    print_json,
+    print_table,
+)
+from service.cli.client import CliError
 
 
 def _gpus(free: int | None, total: int) -> str:
@@ -35,6 +48,8 @@ def cluster_table(cluster: dict[str, Any], wide: bool) -> Table:
 @one_line_errors
 def cluster_status(ctx: typer.Context, output: OutputOption = Output.table) -> None:
     """Show racks, nodes, free GPUs and health (GPUS is free/total with a live view)."""
+    if output is not Output.json:
+        out.print(shared_cluster_line(), highlight=False, soft_wrap=True)
     cluster = client_for(ctx).request("GET", "/v1/cluster")
     if output is Output.json:
         print_json(cluster)
@@ -46,6 +61,12 @@ def cluster_status(ctx: typer.Context, output: OutputOption = Output.table) -> N
         highlight=False,
     )
     print_table(cluster_table(cluster, output is Output.wide), output is Output.wide)
+    for p in cluster.get("profiles") or []:
+        mm = ", ".join(f"{d} {v:.3g} TFLOP/s" for d, v in p["matmul_tflops"].items())
+        ar = p.get("all_reduce")
+        link = f", all-reduce {ar['gbps']:.3g} GB/s + {ar['latency_us']:.3g} us" if ar else ""
+        out.print(f"profile {p['node_type']} v{p['version']}: matmul {mm}, memory {p['memory_gbps']:.3g} GB/s"
+                  f"{link}", highlight=False, soft_wrap=True)  # fmt: skip
 
 
 def _set_cordon(ctx: typer.Context, node: str, action: str) -> None:
@@ -62,8 +83,72 @@ def cordon(ctx: typer.Context, node: Annotated[str, typer.Argument(help="Node na
 
 
 @one_line_errors
+def drain(ctx: typer.Context, node: Annotated[str, typer.Argument(help="Node name (e.g. r1-n2).")]) -> None:
+    """Drain a node (admin): cordon it; its jobs checkpoint at the next step and move elsewhere."""
+    _set_cordon(ctx, node, "drain")
+
+
+@one_line_errors
 def uncordon(
     ctx: typer.Context, node: Annotated[str, typer.Argument(help="Node name (e.g. r1-n2).")]
 ) -> None:
     """Uncordon a node (admin): a cordoned, or repaired quarantined, node gets ranks again."""
     _set_cordon(ctx, node, "uncordon")
+
+
+def shared_cluster_line() -> str:
+    """Whether the shared embedded cluster of this LATTICE_HOME is up (no Ray import)."""
+    from workers.shared_cluster import is_up, read_address, read_state
+
+    home = load_settings().home
+    address, state = read_address(home), read_state(home)
+    if address is None:
+        return "embedded cluster: not running (lattice cluster up starts one)"
+    if state is not None and not is_up(state):
+        return f"embedded cluster: stale record of {address} (not running; lattice cluster down clears it)"
+    size = f", {state.gpus} virtual GPUs on {state.nodes} nodes" if state is not None else ""
+    return f"embedded cluster: up at {address}{size}"
+
+
+@one_line_errors
+def cluster_up(
+    racks: Annotated[
+        int | None, typer.Option(help="Simulated racks (default LATTICE_EMBEDDED_RACKS).")
+    ] = None,
+    nodes_per_rack: Annotated[
+        int | None, typer.Option(help="Nodes per rack (default LATTICE_EMBEDDED_NODES_PER_RACK).")
+    ] = None,
+    gpus_per_node: Annotated[
+        int | None, typer.Option(help="Virtual GPUs per node (default LATTICE_EMBEDDED_GPUS_PER_NODE).")
+    ] = None,
+) -> None:
+    """Start the embedded virtual-GPU Ray cluster detached and record its address under
+    LATTICE_HOME; `lattice serve` (any role) joins it when LATTICE_RAY_ADDRESS is unset."""
+    from service.runtime import ray_temp_dir
+    from service.statefiles import PRIVATE_UMASK, private_dir
+    from workers.cluster import ClusterError
+    from workers.shared_cluster import start_detached
+
+    s = load_settings()
+    os.umask(PRIVATE_UMASK)  # the cluster's files are private, as under `lattice serve`
+    private_dir(s.home)
+    try:
+        state = start_detached(
+            s.home, racks=racks or s.embedded_racks,
+            nodes_per_rack=nodes_per_rack or s.embedded_nodes_per_rack,
+            gpus_per_node=gpus_per_node or s.embedded_gpus_per_node, temp_dir=ray_temp_dir(s.home),
+        )
+    except ClusterError as e:
+        raise CliError(str(e)) from e
+    out.print(f"embedded cluster up at {state.address}: {state.gpus} virtual GPUs on {state.nodes} nodes "
+              f"(address in {s.home / 'ray_address'})", highlight=False, soft_wrap=True)
+
+
+@one_line_errors
+def cluster_down() -> None:
+    """Stop the shared embedded cluster that `lattice cluster up` started and remove its address file."""
+    from workers.shared_cluster import stop
+
+    stopped = stop(load_settings().home)
+    said = "embedded cluster stopped" if stopped else "embedded cluster: nothing was running"
+    out.print(said, highlight=False)

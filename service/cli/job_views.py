@@ -22,6 +22,7 @@ from service.cli.app import (
 )
 from service.cli.client import TERMINAL, Client
 from service.cli.jobs import duration, goodput_text, watch_job
+from service.cli.performance_views import perf_rows
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Same as -o json.")]
 EVENTS_PAGE = 1000  # the API's largest page
@@ -105,6 +106,7 @@ def status_table(job: dict[str, Any], wide: bool) -> Table:
         ("step time", duration(p.get("step_time_s"))),
         ("mfu", "-" if p.get("mfu") is None else f"{p['mfu']:.2%}"),
         ("eta", duration(p.get("eta_s"))),
+        *perf_rows(job.get("performance")),
         ("time", goodput_text(p.get("goodput"))),
         ("layout", _layout_text(job.get("plan"), wide)),
         ("created", job["created_at"]),

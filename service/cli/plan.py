@@ -15,6 +15,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from service.cli.app import client_for, one_line_errors
+from service.cli.performance_views import explain_against
 from service.planner import (
     ClusterSpec,
     Plan,
@@ -141,7 +143,18 @@ def _render(p: Plan, console: Console) -> None:
         console.print(f"  - {r}", highlight=False)
 
 
+@one_line_errors
+def _explain_against(ctx: typer.Context, job_id: str) -> None:
+    ctx.ensure_object(dict)  # the server and token flags of `lattice` (none when registered alone)
+    lines, table = explain_against(client_for(ctx), job_id)
+    console = Console()
+    for line in lines:
+        console.print(line, highlight=False)
+    console.print(table)
+
+
 def plan_command(
+    ctx: typer.Context,
     preset: Annotated[
         str | None, typer.Option("--preset", help="model preset, e.g. llama3-70b, demo")
     ] = None,
@@ -159,7 +172,7 @@ def plan_command(
     nodes_per_rack: Annotated[int, typer.Option("--nodes-per-rack")] = 4,
     oversubscription: Annotated[float, typer.Option("--oversubscription")] = 1.0,
     precision: Annotated[
-        str, typer.Option("--precision", help="bf16_fp32_adam | bf16_fp32_master")
+        str, typer.Option("--precision", help="fp32 | bf16_fp32_adam | bf16_fp32_master")
     ] = "bf16_fp32_adam",
     zero_stages: Annotated[str, typer.Option("--zero-stages", help="stages the search may use")] = "0,1,2,3",
     layout: Annotated[
@@ -168,9 +181,15 @@ def plan_command(
     ] = None,
     top_k: Annotated[int, typer.Option("--top-k", help="alternatives to show")] = 5,
     json_out: Annotated[bool, typer.Option("--json", help="print the Plan as JSON")] = False,
+    against: Annotated[str | None, typer.Option(
+        "--explain-against", metavar="JOB",
+        help="print a finished job's predicted and measured time per term (from the server) instead")] = None,
 ) -> None:
     """Choose the parallel layout for a model on a cluster; --layout keeps the fields it gives (any
     subset) and fills in the rest, or evaluates a layout that runs as given."""
+    if against is not None:
+        _explain_against(ctx, against)
+        return
     try:  # usage: what the flags say cannot be read
         if global_batch is None:
             raise PlannerError("--global-batch N is required (sequences per optimizer step)")

@@ -17,6 +17,8 @@ from service.cli.app import (
 from service.cli.client import CliError
 from service.settings import describe_settings
 
+ROLES = ("all", "api", "scheduler")
+
 
 def bootstrap_notice(token: str, path: Path, *, terminal: bool) -> list[str]:
     """What `serve` prints about a new bootstrap admin token: the token itself only on a terminal
@@ -37,13 +39,17 @@ def settings_epilog() -> str:
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address (default LATTICE_HOST).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default LATTICE_PORT).")] = None,
-    api_only: Annotated[
-        bool,
+    role: Annotated[
+        str | None,
         typer.Option(
-            "--api-only",
-            help="Serve the API and the store only: no Ray, no scheduler (jobs stay pending). "
-            "For extra API replicas; exactly one process runs the scheduler.",
+            "--role",
+            help="all: API and scheduler in this process; api: HTTP only, never touches Ray (run several "
+            "behind a load balancer); scheduler: admission, placement, ingest and reconciliation, no HTTP "
+            "(run several: one elected leader acts, the others wait hot). Default LATTICE_ROLE (all).",
         ),
+    ] = None,
+    api_only: Annotated[
+        bool, typer.Option("--api-only", help="The same as --role api.", hidden=True),
     ] = False,
 ) -> None:
     """Run the Lattice service: migrate the database, start (or join) the Ray cluster, run the
@@ -52,11 +58,14 @@ def serve(
     from service.statefiles import PRIVATE_UMASK, write_private
 
     settings = load_settings()
-    updates = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+    role = "api" if api_only else role
+    if role is not None and role not in ROLES:
+        raise CliError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
+    updates = {k: v for k, v in {"host": host, "port": port, "role": role}.items() if v is not None}
     settings = settings.model_copy(update=updates)
     configure_logging(settings)
     os.umask(PRIVATE_UMASK)  # everything the service (and its embedded Ray) creates is private
-    runtime = Runtime(settings, with_scheduler=not api_only)
+    runtime = Runtime(settings)
     try:
         runtime.start()
     except ServiceStartError as e:
@@ -66,8 +75,13 @@ def serve(
             notice = bootstrap_notice(runtime.admin_token, settings.token_path, terminal=sys.stdout.isatty())
             for line in notice:
                 out.print(line, soft_wrap=True)
-        write_private(settings.server_file, runtime.client_url() + "\n")
-        out.print(f"Lattice listening on http://{settings.host}:{settings.port}")
+        if runtime.with_http:
+            write_private(settings.server_file, runtime.client_url() + "\n")
+            out.print(f"Lattice ({runtime.role}) listening on http://{settings.host}:{settings.port}")
+        else:
+            probes = (f"/healthz and /metrics on port {settings.scheduler_port}" if settings.scheduler_port
+                      else "no HTTP")
+            out.print(f"Lattice scheduler running ({probes}); it acts while it holds the leader lease")
         runtime.serve_forever()
     finally:
         runtime.stop()

@@ -9,6 +9,7 @@ with its sources and calibration in docs/planner.md.
     p.layout, p.to_dict()
 """
 
+from service.planner.efficiency import Efficiency, HardwareProfile
 from service.planner.errors import PlannerError
 from service.planner.fill import LayoutRefused, layout_gpus, plan_layout
 from service.planner.formulas import (
@@ -25,7 +26,7 @@ from service.planner.layout_text import parse_layout
 from service.planner.presets import PRESETS, get_preset
 from service.planner.result import Plan
 from service.planner.search import DEFAULT_SCHEDULES, evaluate, plan
-from service.planner.specs import PRECISIONS, ClusterSpec, TrainSpec
+from service.planner.specs import PRECISIONS, ClusterSpec, TrainSpec, default_precision
 from training.config.layout import Layout
 from training.config.spec import ModelSpec
 
@@ -35,13 +36,16 @@ __all__ = [
     "PRECISIONS",
     "PRESETS",
     "ClusterSpec",
+    "Efficiency",
     "GpuType",
+    "HardwareProfile",
     "Layout",
     "LayoutRefused",
     "ModelSpec",
     "Plan",
     "PlannerError",
     "TrainSpec",
+    "default_precision",
     "activation_bytes_per_layer",
     "bubble_fraction",
     "evaluate",

@@ -18,11 +18,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from service.planner.efficiency import Efficiency
 from service.planner.formulas import (
     ParamCounts,
     activation_bytes_per_layer,
     bubble_fraction,
     cp_ring_bytes_per_layer,
+    engine_activation_terms,
     ep_all_to_all_bytes_per_layer,
     flops_per_token,
     hops,
@@ -42,6 +44,10 @@ from training.config.spec import ModelSpec
 # (NCCL runs 16-32 channels, i.e. SMs, of 132 on an H100). Each overlapped second costs this much
 # compute time (calibration, docs/planner.md).
 OVERLAP_SLOWDOWN = 0.15
+# HBM bytes per attention score element of unfused attention, forward + backward: bf16 scores written
+# and read by the fused scale-mask-softmax (4), dropout read/write plus a 1-byte mask (5), AV reads the
+# probabilities (2); backward reads them again and writes the score gradients (~2x): ~24 bytes.
+UNFUSED_SCORE_BYTES = 24.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +67,11 @@ class Env:
         gpu: GpuType = cluster.gpu
         self.gpu = gpu
         self.counts: ParamCounts = param_counts(model)
-        self.flops_rate = gpu.peak_flops * gpu.compute_efficiency  # achievable FLOP/s per GPU
+        # Achieved speed by shape: the cluster's measured profile, else the catalogued curve (efficiency.py).
+        self.profile = cluster.profile
+        self.eff = Efficiency.for_gpu(gpu, cluster.profile, ranks_per_host=cluster.num_gpus)
+        self.hbm_bw = self.eff.hbm_bw
+        self._layer_cache: dict[tuple[int, int, bool], tuple[float, float, float, float]] = {}
         self.bytes_per_param = train.bytes_per_param
         # Adam step traffic per parameter: read grad, read+write master and moments, write bf16 param.
         bp, bg, bo = self.bytes_per_param
@@ -78,9 +88,49 @@ class Env:
         self.is_moe = model.is_moe
         self.reserve = float(gpu.reserve_bytes)
         self.capacity = float(gpu.hbm_bytes)
-        self.node_tier = Tier("intra-node", gpu.nvlink_bw, gpu.intra_latency_s)
+        self.node_tier = Tier("intra-node", *self.eff.link(gpu.nvlink_bw, gpu.intra_latency_s))
         self.rack_tier = Tier("inter-node", gpu.internode_bw, gpu.inter_latency_s)
         self.cross_tier = Tier("inter-rack", gpu.internode_bw / cluster.oversubscription, gpu.inter_latency_s)
+
+    def layer_times(self, tokens: int, tp: int, sp: bool) -> tuple[float, float, float, float]:
+        """(matmuls, attention core, elementwise, LM head) seconds of one layer's forward + backward for
+        `tokens` tokens on one of `tp` ranks, each matmul timed from its (m, n, k) (efficiency.py)."""
+        key = (tokens, tp, sp)
+        hit = self._layer_cache.get(key)
+        if hit is not None:
+            return hit
+        m, eff = self.model, self.eff
+        h, hd, ffn = m.hidden, m.head_dim, (m.expert_ffn_dim if m.is_moe else m.ffn_dim)
+        up = (2 if m.activation == "swiglu" else 1) * ffn
+        # Forward shapes (Megatron TP: column-parallel QKV and MLP-up, row-parallel out and MLP-down);
+        # backward's two GEMMs per matmul have the same dimensions permuted, hence the same time.
+        shapes = ((tokens, max(1, (m.heads + 2 * m.n_kv_heads) * hd // tp), h), (tokens, h, max(1, h // tp)),
+                  (tokens, max(1, up // tp), h), (tokens, h, max(1, ffn // tp)))  # fmt: skip
+        flops = sum(2.0 * a * b * c for a, b, c in shapes)
+        secs = sum(eff.matmul_time(a, b, c) for a, b, c in shapes)
+        t_mm = tokens * 6.0 * self.counts.matmul_active_per_layer / tp * secs / flops
+        t_attn = self._attention_time(tokens, tp)
+        act_bytes = self.bytes_per_param[0]
+        t_elem = eff.share * eff.elementwise_time(tokens, h / (tp if sp else 1), ffn / tp, act_bytes)
+        t_elem += eff.ops_time(t_mm + t_attn + t_elem)  # fixed cost per op (dispatch, launch)
+        t_head = 3.0 * eff.matmul_time(tokens, max(1, m.vocab // tp), h)
+        out = self._layer_cache[key] = (t_mm, t_attn, t_elem, t_head)
+        return out
+
+    def _attention_time(self, tokens: int, tp: int) -> float:
+        """Attention core (QK^T, softmax, AV) forward + backward of `tokens` queries against the whole
+        sequence on one of `tp` ranks: 12*h*s FLOPs per token (PaLM, Appendix B)."""
+        m, s, eff = self.model, self.s, self.eff
+        flops = tokens * 12.0 * m.hidden * s / tp
+        if self.train.attention == "flash":
+            # Flash attention skips the fully masked blocks of a causal mask: half the work (Dao 2023,
+            # FlashAttention-2, Sec. 3.1).
+            return 0.5 * flops / eff.attention_rate(s, m.head_dim)
+        # Unfused: two batched GEMMs per head at matmul efficiency, plus the (b, heads, s, s) scores
+        # through HBM: fused scale-mask-softmax, dropout (and its mask) forward, their gradients backward.
+        heads = max(1, m.heads // tp) * tokens / s
+        gemm = 3.0 * heads * (eff.matmul_time(s, s, m.head_dim) + eff.matmul_time(s, m.head_dim, s))
+        return gemm + heads * s * s * UNFUSED_SCORE_BYTES / eff.hbm_bw
 
     def tier(self, span: int) -> Tier:
         """Slowest tier a group of `span` consecutive ranks crosses (rank order puts TP fastest)."""
@@ -155,9 +205,9 @@ class Stage:
         self.state_last: list[tuple[float, float, float]] = []
         self.buffers: list[float] = []
         for z in range(4):
-            ed = model_state_bytes(expert, z, fam.d_e, bpp)
-            fd = model_state_bytes(first_dense, z, fam.d, bpp)
-            ld = model_state_bytes(last_dense, z, fam.d, bpp)
+            ed = model_state_bytes(expert, z, fam.d_e, bpp, fsdp2=True)
+            fd = model_state_bytes(first_dense, z, fam.d, bpp, fsdp2=True)
+            ld = model_state_bytes(last_dense, z, fam.d, bpp, fsdp2=True)
             self.state_first.append((fd[0] + ed[0], fd[1] + ed[1], fd[2] + ed[2]))
             self.state_last.append((ld[0] + ed[0], ld[1] + ed[1], ld[2] + ed[2]))
             # ZeRO-3 gathers a layer before use and prefetches the next one (Zhao et al. 2023, FSDP).
@@ -195,7 +245,7 @@ class Stage:
         self.dp_once, self.dp_per_mb = once, per_mb
         self.dp_bytes_once, self.dp_bytes_per_mb = bytes_once, bytes_per_mb
         # The optimizer step is memory-bound elementwise work on the (sharded) fp32 state.
-        rate = env.opt_bytes_per_param / env.gpu.hbm_bw
+        rate = env.opt_bytes_per_param / env.hbm_bw
         self.opt = [(big + expert) * rate] + [(big / fam.d + expert / fam.d_e) * rate] * 3
 
 
@@ -225,12 +275,16 @@ class Micro:
         )
         self.act_emb = 2.0 * tokens * h / (tp if sp else 1)  # embedding output (bf16)
         self.logits = 6.0 * tokens * m.vocab / tp  # bf16 logits + fp32 log-softmax for the loss
-        rate = env.flops_rate
-        attn_flops = 12.0 * h * s  # per token, forward + backward (PaLM, Appendix B)
-        self.t_compute_plain = tokens * env.layer_flops / tp / rate
-        extra = env.recompute_flops[recompute] + (env.ring_recompute_flops if ring else 0.0)
-        self.t_compute = self.t_compute_plain + tokens * extra / tp / rate
-        self.t_head = tokens * 6.0 * m.vocab * h / tp / rate
+        if cp == 1 and not m.is_moe and env.train.attention == "flash":  # the engine's own saved tensors
+            self.act_layer, self.act_work, self.act_emb, self.logits = engine_activation_terms(
+                m, tokens, tp, sp, recompute, env.train.precision)
+        t_mm, t_attn, t_elem, self.t_head = env.layer_times(tokens, tp, sp)
+        self.t_compute_plain = t_mm + t_attn + t_elem
+        # Recomputation repeats forwards (a third of forward + backward): the whole layer under "full",
+        # the attention core under "selective" (Korthikanti et al. 2022, Sec. 5); ring attention's
+        # backward recomputes QK^T, 2hs of the core's 12hs (formulas.ring_recompute_flops_per_token_layer).
+        extra = {"full": self.t_compute_plain / 3.0, "selective": t_attn / 3.0}.get(recompute, 0.0)
+        self.t_compute = self.t_compute_plain + extra + (t_attn / 6.0 if ring else 0.0)
         # TP: forward and backward, plus the recomputed forward under full recomputation.
         passes = 3 if recompute == "full" else 2
         self.tp_bytes = passes * tp_bytes_per_layer(mbs, s_loc, h, tp) if tp > 1 else 0.0
@@ -243,7 +297,7 @@ class Micro:
             kv_local = 2.0 * tokens * m.n_kv_heads * m.head_dim * 2 / tp  # K and V of s/cp tokens, bf16
             self.cp_bytes = cp_ring_bytes_per_layer(kv_local, cp)
             ring_t = self.cp_bytes / fam.cp_tier.bw + (2 * cp - 1) * fam.cp_tier.latency
-            attn_time = tokens * attn_flops / tp / rate
+            attn_time = t_attn
             self.t_cp = max(0.0, ring_t - attn_time) + OVERLAP_SLOWDOWN * min(ring_t, attn_time)
         else:
             self.cp_bytes, self.t_cp = 0.0, 0.0

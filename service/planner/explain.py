@@ -54,7 +54,7 @@ def alternative(env: Env, d: Detail, best: Detail) -> dict[str, Any]:
         "layout": d.layout.to_dict(),
         "describe": describe(d.layout),
         "step_time_s": d.step_time_s,
-        "mfu": env.flops_per_step / (d.step_time_s * env.gpu.peak_flops * env.n),
+        "mfu": env.flops_per_step / (d.step_time_s * env.eff.peak * env.n),
         "memory_total_bytes": int(round(d.memory["total"])),
         "slower_by": slower,
         "why": f"{slower:.1%} slower: {why_slower(d, best)}",

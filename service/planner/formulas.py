@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import math
 
-from training.config.arithmetic import ParamCounts, flops_per_token, param_counts, total_params
+from training.config.arithmetic import (
+    ParamCounts,
+    act_bytes,
+    block_activation_bytes,
+    flops_per_token,
+    head_activation_bytes,
+    param_counts,
+    total_params,
+)
 from training.config.spec import ModelSpec
 
 # The model arithmetic (parameter counts, FLOPs per token) is training.config.arithmetic's, shared
 # with the trainer's MFU metric; re-exported here for the planner's importers.
 __all__ = [
     "V_SHAPED", "ParamCounts", "activation_bytes_per_layer", "bubble_fraction", "cp_ring_bytes_per_layer",
+    "engine_activation_terms",
     "ep_all_to_all_bytes_per_layer", "flops_per_token", "hops", "inflight_microbatches", "model_state_bytes",
     "param_counts", "recompute_flops_per_token_layer", "ring_bytes", "ring_recompute_flops_per_token_layer",
     "total_params", "tp_bytes_per_layer",
@@ -69,14 +78,25 @@ def ep_all_to_all_bytes_per_layer(tokens: float, top_k: int, h: int, ep: int, ac
 
 
 def model_state_bytes(
-    params: float, zero_stage: int, dp: int, bytes_per_param: tuple[int, int, int]
+    params: float, zero_stage: int, dp: int, bytes_per_param: tuple[int, int, int], fsdp2: bool = False
 ) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per GPU for `params` parameters on this GPU before DP sharding.
 
     Rajbhandari et al. 2020 (ZeRO), Figure 1: stage 1 shards the optimizer state, stage 2 also the
     gradients, stage 3 also the parameters, each over the `dp` data-parallel ranks.
+
+    `fsdp2`: stages 2 and 3 as the engine runs them, with torch FSDP2 (training/parallel/fsdp.py;
+    torch.distributed.fsdp.fully_shard and MixedPrecisionPolicy docs): the sharded parameters keep
+    their fp32 dtype (under mixed precision they are the master weights, so the optimizer holds only
+    the moments), gradients are reduce-scattered into fp32 shards, and stage 2 (reshard_after_forward
+    =False) also holds the gathered parameters, in the compute dtype, from forward to backward.
+    Measured per rank by training.parallel.memory (tests/training/test_memory_accounting.py).
     """
     bp, bg, bo = bytes_per_param
+    if fsdp2 and zero_stage >= 2 and dp > 1:
+        master = 4 if bp < 4 else 0  # the fp32 master inside `bo` is the sharded parameter itself
+        gathered = bp * params if zero_stage == 2 else 0.0
+        return gathered + 4 * params / dp, 4 * params / dp, (bo - master) * params / dp
     p = bp * params / (dp if zero_stage >= 3 else 1)
     g = bg * params / (dp if zero_stage >= 2 else 1)
     o = bo * params / (dp if zero_stage >= 1 else 1)
@@ -117,6 +137,20 @@ def activation_bytes_per_layer(
     if t > 1:
         return sbh * (10.0 + 24.0 / t + attn / t)
     return sbh * (34.0 + attn)
+
+
+def engine_activation_terms(
+    model: ModelSpec, tokens: float, tp: int, sp: bool, recompute: str, precision: str
+) -> tuple[float, float, float, float]:
+    """(per layer, recompute working set, first stage's extra, last stage's extra) activation bytes of
+    one micro-batch of a dense model as the engine saves them (training.config.arithmetic, counted from
+    training.model.transformer and measured by training.parallel.memory): full recomputation re-runs
+    one block with everything saved during its backward; the first stage keeps the int64 tokens; the
+    last the final norm, the fp32 log-softmax and the targets."""
+    elem = act_bytes(precision)
+    layer = block_activation_bytes(model, tokens, tp, sp, recompute, elem)
+    work = block_activation_bytes(model, tokens, tp, sp, "none", elem) if recompute == "full" else 0.0
+    return layer, work, 8.0 * tokens, head_activation_bytes(model, tokens, tp, sp, elem)
 
 
 def tp_bytes_per_layer(b: int, s: int, h: int, t: int) -> float:

@@ -138,6 +138,8 @@ class Plan:
     candidates_evaluated: int = 0
     # The layout fields the request gave (a partial or explicit layout), kept as given; None = "auto".
     given: dict[str, Any] | None = None
+    # The hardware profile the time model used ({node_type, version}); None = the catalogue's curves.
+    profile: dict[str, Any] | None = None
 
     @classmethod
     def from_detail(cls, d: Detail, *, mode: str, env: Env) -> Plan:
@@ -155,7 +157,7 @@ class Plan:
             params_total=total_params(env.model),
             flops_per_step=env.flops_per_step,
             step_time_s=step,
-            mfu=env.flops_per_step / (step * env.gpu.peak_flops * n),
+            mfu=env.flops_per_step / (step * env.eff.peak * n),
             tokens_per_s=env.g * env.s / step,
             tflops_per_gpu=env.flops_per_step / (step * n) / 1e12,
             bubble_fraction=d.bubble,
@@ -164,6 +166,7 @@ class Plan:
             time_breakdown_s=dict(d.time_s),
             link_tiers=dict(d.tiers),
             fits=d.fits,
+            profile=env.profile.ref if env.profile is not None else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -210,4 +213,5 @@ class Plan:
             "rejected": [dict(r) for r in self.rejected],
             "candidates_evaluated": self.candidates_evaluated,
             "given": dict(self.given) if self.given is not None else None,
+            "profile": dict(self.profile) if self.profile is not None else None,
         }

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+from service.planner.efficiency import HardwareProfile
 from service.planner.errors import PlannerError
 from service.planner.hardware import GpuType, get_gpu
 
@@ -12,11 +14,22 @@ from service.planner.hardware import GpuType, get_gpu
 # (bf16 params, bf16 grads, optimizer state incl. fp32 master weights).
 #  - bf16_fp32_adam: fp32 master + fp32 Adam m + fp32 Adam v = 12  -> 2 + 2 + 12 = 16 bytes/param
 #  - bf16_fp32_master: fp32 master + bf16 Adam m + bf16 Adam v = 8 -> 2 + 2 + 8 = 12 bytes/param
+#  - fp32: fp32 params + fp32 grads + fp32 Adam m and v (no separate master) = 4 + 4 + 8 = 16 bytes/param
 PRECISIONS: dict[str, tuple[int, int, int]] = {
+    "fp32": (4, 4, 8),
     "bf16_fp32_adam": (2, 2, 12),
     "bf16_fp32_master": (2, 2, 8),
 }
 
+ATTENTION_KERNELS = ("flash", "unfused")
+# The GPU types that are CPU processes (the embedded cluster): they train in fp32 unless a job asks.
+CPU_GPU_TYPES = ("cpu-virtual",)
+
+
+def default_precision(gpu_type: str) -> str:
+    """The precision a job that does not set train.precision trains in: fp32 on the CPU cluster (its
+    gloo ranks compute in fp32), bf16_fp32_adam on GPUs (training.parallel.precision)."""
+    return "fp32" if get_gpu(gpu_type).name in CPU_GPU_TYPES else "bf16_fp32_adam"
 MAX_GPUS = 1 << 20  # a million accelerators; beyond that the search itself is the wrong tool
 
 
@@ -36,6 +49,10 @@ class TrainSpec:
     global_batch: int  # sequences per optimizer step
     seq_len: int
     precision: str = "bf16_fp32_adam"
+    # The attention kernel: "flash" (fused, causal blocks skipped; what our engine runs through SDPA) or
+    # "unfused" (QK^T, softmax and AV as separate kernels: Megatron-LM before FlashAttention, for
+    # predicting published runs of that era; docs/planner.md "Efficiency curves").
+    attention: str = "flash"
 
     def __post_init__(self) -> None:
         _check_int("train.global_batch", self.global_batch, 1, 1 << 24)
@@ -43,6 +60,10 @@ class TrainSpec:
         if self.precision not in PRECISIONS:
             raise PlannerError(
                 f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
+        if self.attention not in ATTENTION_KERNELS:
+            raise PlannerError(
+                f"train.attention must be one of {', '.join(ATTENTION_KERNELS)}, got {self.attention!r}"
             )
 
     @property
@@ -57,6 +78,9 @@ class ClusterSpec:
     gpus_per_node: int | None = None  # None = the GPU type's usual node (8 for DGX/HGX)
     nodes_per_rack: int = 4
     oversubscription: float = 1.0  # bandwidth divisor for traffic that leaves a rack
+    # The measured profile of this cluster's node type (None: the catalogue's curves); the plan records
+    # its node_type and version (Plan.profile).
+    profile: HardwareProfile | None = None
 
     def __post_init__(self) -> None:
         get_gpu(self.gpu_type)  # raises PlannerError naming the known types
@@ -98,6 +122,4 @@ class ClusterSpec:
         return self.gpn * self.nodes_per_rack
 
     def with_gpus(self, num_gpus: int) -> ClusterSpec:
-        return ClusterSpec(
-            self.gpu_type, num_gpus, self.gpus_per_node, self.nodes_per_rack, self.oversubscription
-        )
+        return dataclasses.replace(self, num_gpus=num_gpus)

@@ -10,8 +10,10 @@ API calls `wake()`). A tick:
    along legal edges; a terminal controller is collected and ended;
 2. syncs the nodes table with the live cluster and reads the health ledger back (`cluster`);
 3. admits pending jobs, re-planning those planned for another GPU type (`admission`);
-4. starts queued jobs in priority order, then age, when their layout fits the free capacity; a job
-   that does not fit stays queued with the reason as an event (once per distinct reason);
+4. starts queued jobs in the order `fairshare.decide` gives (tenants' GPU quotas and borrowing, the
+   tenant furthest below its weighted share first, then priority, then age; backfill that does not
+   delay the head of the line) when their layout fits the free capacity; a job that waits stays
+   queued with the reason as an event (once per distinct reason: "quota: 8 of 8 GPUs in use");
 5. updates the Prometheus metrics (`observer`).
 
 Cancel is the API's `transition(... cancelled)` followed by `cancel(job_id)`: the next tick asks

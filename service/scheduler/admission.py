@@ -1,10 +1,13 @@
 """Admission: pending jobs enter the queue (re-planned for the live cluster's GPU type when their
-plan was made for another), and what a queued job's controller is started with."""
+plan was made for another), the order queued jobs start in (`queue_decisions`: quotas, weighted
+fair share and backfill, decided by the pure `fairshare.decide` from the store's numbers), and what
+a queued job's controller is started with."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -16,14 +19,19 @@ from service.planner import (
     Plan,
     PlannerError,
     TrainSpec,
+    default_precision,
     flops_per_token,
     get_gpu,
     layout_gpus,
     plan_layout,
 )
+from service.planner.efficiency import HardwareProfile
+from service.scheduler import fairshare
 from service.schemas import JobSpec
 from service.settings import Settings
-from service.store.models import JobState
+from service.store import tenants as tenant_store
+from service.store.models import ACTIVE_STATES, Job, JobState
+from service.store.profiles import profile_for
 from training.config.layout import Layout
 from workers.client import ControllerOptions
 from workers.topology import Topology
@@ -42,8 +50,9 @@ def admit_pending(sf: sessionmaker[Session], rsf: sessionmaker[Session], setting
     with rsf() as s:
         pending = [(j.id, j.version, j.spec, j.plan)
                    for j in store.list_jobs(s, states=[JobState.PENDING], limit=None, order="queue")]
+        profile = profile_for(s, settings.gpu_type) if pending else None
     for job_id, version, spec, plan in pending:
-        replanned, error = plan_for_live_cluster(spec, plan, settings, topology)
+        replanned, error = plan_for_live_cluster(spec, plan, settings, topology, profile=profile)
         try:
             with store.session_scope(sf) as s:
                 if error is not None:
@@ -55,6 +64,82 @@ def admit_pending(sf: sessionmaker[Session], rsf: sessionmaker[Session], setting
                     store.set_plan(s, job_id, replanned.to_dict(), reason=replanned_reason(plan, settings))
         except (ConcurrentUpdate, IllegalTransition, JobNotFound) as e:
             log.info("job %s changed while being admitted: %s", job_id, e)
+
+
+# Waiting decisions whose reason is fair share's own; for the others (no room) placement says why.
+OWN_REASONS = frozenset({fairshare.QUOTA})
+
+
+@dataclasses.dataclass(frozen=True)
+class QueuedJob:
+    """A queued job as the scheduler starts it: its layout (None with the reason it has none) and
+    the fair-share decision about it."""
+
+    job_id: str
+    version: int
+    layout: Layout | None
+    decision: fairshare.Decision | None
+    error: str | None = None
+
+
+def _layout(plan: Mapping[str, Any] | None) -> tuple[Layout | None, str | None]:
+    try:
+        return Layout.from_dict((plan or {})["layout"]), None
+    except (KeyError, TypeError, ValueError) as e:
+        return None, f"the job's plan has no usable layout: {e}"
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _running(job: Job, layout: Layout, now: float) -> fairshare.RunningJob:
+    progress = job.progress or {}
+    eta = _number(progress.get("eta_s"))  # remaining steps x median step time (service.progress)
+    return fairshare.RunningJob(job.id, job.tenant, layout.world_size, None if eta is None else now + eta,
+                                borrowing=bool(progress.get("borrowing")))
+
+
+def _waiting(job: Job, layout: Layout) -> fairshare.WaitingJob:
+    step_time = _number(((job.plan or {}).get("predicted") or {}).get("step_time_s"))
+    steps = _number(((job.spec or {}).get("train") or {}).get("steps"))
+    duration = None if step_time is None or steps is None else max(0.0, steps - job.step) * step_time
+    return fairshare.WaitingJob(job.id, job.tenant, layout.world_size, job.priority,
+                                job.created_at.timestamp(), duration)
+
+
+def tenant_policies(s: Session) -> dict[str, fairshare.TenantPolicy]:
+    return {t.name: fairshare.TenantPolicy(t.name, weight=float(t.weight if t.weight is not None else 1.0),
+                                           gpu_quota=t.gpu_quota, borrowing=bool(t.borrowing))
+            for t in tenant_store.list_tenants(s)}
+
+
+def queue_decisions(s: Session, *, free_gpus: int, now: float, skip: Collection[str] = ()) -> list[QueuedJob]:
+    """The queued jobs (but `skip`) with their fair-share decisions: those without a usable layout
+    (no decision: they cannot run), those waiting for a reason of fair share's own (quota), those
+    to start in the order to start them, then the rest. Running jobs hold their layout's GPUs and
+    end at their progress ETA."""
+    running = []
+    for job in store.list_jobs(s, states=ACTIVE_STATES, limit=None):
+        layout, _ = _layout(job.plan)
+        if layout is not None:
+            running.append(_running(job, layout, now))
+    broken: list[QueuedJob] = []
+    queued: dict[str, tuple[Job, Layout]] = {}
+    for job in store.list_jobs(s, states=[JobState.QUEUED], limit=None, order="queue"):
+        if job.id in skip:
+            continue
+        layout, error = _layout(job.plan)
+        if layout is None:
+            broken.append(QueuedJob(job.id, job.version, None, None, error))
+        else:
+            queued[job.id] = (job, layout)
+    waiting = [_waiting(job, layout) for job, layout in queued.values()]
+    decisions = fairshare.decide(waiting, running, tenant_policies(s), free_gpus=free_gpus, now=now)
+    # Waits that fair share explains come first: the caller notes them before it starts a job.
+    decisions.sort(key=lambda d: d.start or d.kind not in OWN_REASONS)
+    return broken + [QueuedJob(d.job_id, queued[d.job_id][0].version, queued[d.job_id][1], d)
+                     for d in decisions]
 
 
 def _canonical_gpu(name: str | None) -> str | None:
@@ -73,7 +158,8 @@ def replanned_reason(plan: Mapping[str, Any] | None, settings: Settings) -> str:
 
 
 def plan_for_live_cluster(spec_doc: Mapping[str, Any], plan: Mapping[str, Any] | None, settings: Settings,
-                          topology: Topology) -> tuple[Plan | None, str | None]:
+                          topology: Topology, *, profile: HardwareProfile | None = None,
+                          ) -> tuple[Plan | None, str | None]:
     """(a new plan, None) for a job whose plan is for another GPU type than the live cluster's
     (settings.gpu_type) or that has none; (None, None) when its plan stands; (None, why) when no plan
     fits the live cluster. Pure: touches no database."""
@@ -94,10 +180,10 @@ def plan_for_live_cluster(spec_doc: Mapping[str, Any], plan: Mapping[str, Any] |
         cluster = ClusterSpec(
             gpu_type=settings.gpu_type, num_gpus=max(1, num_gpus),
             gpus_per_node=topology.gpus_per_node() or settings.embedded_gpus_per_node,
-            nodes_per_rack=max(1, per_rack),
+            nodes_per_rack=max(1, per_rack), profile=profile,
         )
         train = TrainSpec(global_batch=spec.train.global_batch, seq_len=model.seq_len,
-                          precision=spec.train.precision)
+                          precision=spec.train.precision or default_precision(cluster.gpu_type))
         return plan_layout(model, train, cluster, given), None
     except (PlannerError, ValueError) as e:
         return None, f"no feasible plan for the live cluster ({settings.gpu_type}): {e}"

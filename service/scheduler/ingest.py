@@ -13,8 +13,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import store
+from service.performance import performance
 from service.progress import advance, checkpoint_seconds, goodput, mfu_seconds
-from service.scheduler import observer
+from service.scheduler import learning, observer
 from service.store.jobs import LEGAL_TRANSITIONS
 from service.store.models import Job, JobEvent, JobState
 from service.store.nodes import record_node_fault
@@ -72,6 +73,11 @@ def attempts(s: Session, job_id: str) -> int:
 def mirror_state(s: Session, job: Job, snap: Mapping[str, Any]) -> None:
     """Move the job along legal edges to the job state its controller reports."""
     target = JobState(snap["job_state"])
+    if snap["state"] == ControllerState.PREEMPTED:  # back to the queue, to resume from its checkpoint
+        if JobState(job.state) in store.PREEMPT_TRANSITIONS:
+            step = snap["progress"].get("preempted_at")
+            store.requeue_preempted(s, job.id, step=int(step or 0), reason=snap.get("reason") or "preempted")
+        return
     for step_state in job_transition_path(JobState(job.state), target):
         fields: dict[str, Any] = {"attempt": attempts(s, job.id)}
         reason = f"controller {snap['state']}"
@@ -89,10 +95,11 @@ def mirror_state(s: Session, job: Job, snap: Mapping[str, Any]) -> None:
 
 # ---- one snapshot ------------------------------------------------------------------------------------
 def write_snapshot(sf: sessionmaker[Session], job_id: str, seen_seq: int, snap: Mapping[str, Any],
-                   new_events: list[dict[str, Any]]) -> tuple[int, JobState]:
+                   new_events: list[dict[str, Any]], *, feedback: bool = True) -> tuple[int, JobState]:
     """Write one controller snapshot into the store in one transaction: the events after the
     last stored seq, progress, the placement, the job's state. Returns the last controller seq
-    stored and the job's state before this snapshot."""
+    stored and the job's state before this snapshot. `feedback` (settings.planner_feedback): a job
+    that succeeds without faults refines its plan's hardware profile (service.scheduler.learning)."""
     with store.session_scope(sf) as s:
         job = store.get_job(s, job_id)
         s.refresh(job)
@@ -114,6 +121,10 @@ def write_snapshot(sf: sessionmaker[Session], job_id: str, seen_seq: int, snap: 
                 if snap["placement"] and snap["placement"] != job.placement:
                     fields["placement"] = snap["placement"]
             derived, reason = _progress_fields(s, job, snap, [e for e in new_events if e["seq"] > floor])
+            learning.check_mismatch(s, job, derived["progress"])
+            succeeds = JobState(snap["job_state"]) == JobState.SUCCEEDED
+            if feedback and succeeds and "feedback" not in derived["progress"]:
+                derived["progress"]["feedback"] = learning.learn_from(s, job, derived["progress"])
             store.update_progress(s, job_id, **fields, **derived)
             mirror_state(s, job, snap)
             if reason is not None:  # after the transitions: each sets a reason of its own
@@ -141,9 +152,12 @@ def _progress_fields(s: Session, job: Job, snap: Mapping[str, Any],
             where = f" (on {', '.join(nodes)})" if nodes else ""
             doc["failure"] = f"{e.get('message') or (e.get('failure') or {}).get('kind')}{where}"[:500]
     predicted = ((job.plan or {}).get("predicted") or {}).get("mfu")
+    perf = performance(job.plan, doc) or {}
     observer.publish(job.id, job.name, job.tenant, observer.Derived(
         doc["mfu"], goodput(doc, created=created, end=now),
-        float(predicted) if isinstance(predicted, int | float) else None))
+        float(predicted) if isinstance(predicted, int | float) else None,
+        step_time_predicted=(perf.get("predicted") or {}).get("step_time_s"),
+        step_time_measured=(perf.get("measured") or {}).get("step_time_s")))
     return {"progress": doc, "mfu": doc["mfu"]}, None if after.terminal else state_reason(after, snap, doc)
 
 

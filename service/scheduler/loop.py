@@ -12,11 +12,13 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import metrics, store
-from service.errors import ConcurrentUpdate, IllegalTransition
+from service.errors import ConcurrentUpdate, IllegalTransition, NotLeader
 from service.scheduler import admission, reconcile
 from service.scheduler.attached import Attached, held_gpus
 from service.scheduler.cluster import free_view, sync_nodes
 from service.scheduler.ingest import PLACED_STATES, write_snapshot
+from service.scheduler.leader import LeaderElector, Leadership
+from service.scheduler.notices import Preemptor, note_resumed
 from service.scheduler.observer import JobMetrics, observe_cluster, observe_launch, observe_queue
 from service.schemas import JobSpec
 from service.settings import Settings
@@ -58,8 +60,12 @@ class Scheduler:
         controller_defaults: Mapping[str, Any] | None = None,
         interval_s: float | None = None,
         poll_timeout_s: float = 10.0,
+        leader: LeaderElector | None = None,
     ) -> None:
         self.settings = settings
+        # With an elector, the loop acts only while this process holds the lease, and session_factory
+        # should be its fenced factory (elector.session_factory); None: always act (one process).
+        self._leadership = Leadership(leader, on_elected=self._take_office, on_deposed=self._forget_cluster)
         self._sf = session_factory
         self._rsf = read_session_factory or session_factory
         # Extra ControllerOptions fields for every job (e.g. train_fn in tests, poll_interval_s).
@@ -69,6 +75,7 @@ class Scheduler:
         self._attached: dict[str, Attached] = {}
         self._cancels: set[str] = set()
         self._waiting = admission.WaitingNotes(session_factory, self._rsf)
+        self._preemptor = Preemptor(session_factory, self._rsf, settings.preempt_notice_dir, poll_timeout_s)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -85,6 +92,11 @@ class Scheduler:
         """The job is already `cancelled` in the store; stop its ranks on the next tick."""
         with self._lock:
             self._cancels.add(job_id)
+        self._wake.set()
+
+    def drain(self, node: str, why: str) -> None:
+        """The node is cordoned in the store; its jobs get preemption notices on the next tick."""
+        self._preemptor.drain(node, why)
         self._wake.set()
 
     def inject_fault(self, job_id: str, fault: Mapping[str, Any]) -> bool:
@@ -105,8 +117,13 @@ class Scheduler:
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        """Reconcile with the cluster, then run the loop in a daemon thread."""
-        self.reconcile()
+        """Reconcile with the cluster (once elected, with a leader elector), then run the loop in a
+        daemon thread. An uncontested process is elected, and has reconciled, when this returns."""
+        if self._leadership.elector is None:
+            self.reconcile()
+        else:
+            self._leadership.elector.start()
+            self._leadership.may_act()  # reconciles if this process leads
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="lattice-scheduler", daemon=True)
         self._thread.start()
@@ -119,24 +136,53 @@ class Scheduler:
             self._thread.join(timeout_s)
             self._thread = None
         self._attached.clear()
+        self._leadership.stop()  # the loop wrote its last: a standby may take over at once
+
+    @property
+    def is_leader(self) -> bool:
+        return self._leadership.is_leader
+
+    def _take_office(self) -> None:
+        self._attached.clear()  # another leader may have acted since: start from the store
+        self.reconcile()
+
+    def _forget_cluster(self) -> None:
+        self._attached.clear()
+        self._topology = self._ledger_pushed = None
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.tick()
+                self.step()
             except Exception:  # the loop must survive a bad tick (DB or cluster hiccup); logged
                 log.exception("scheduler tick failed")
             self._wake.wait(self.interval_s)
             self._wake.clear()
 
+    def step(self) -> bool:
+        """One iteration of the loop: a tick if this process leads (reconciling first in a new term).
+        Returns whether it acted; a write refused by the fence steps down."""
+        try:
+            if not self._leadership.may_act():
+                return False
+            self.tick()
+        except NotLeader as e:  # the fence refused a write: another process leads now
+            self._leadership.step_down(str(e))
+            return False
+        return True
+
     def tick(self) -> None:
         self._send_cancels()
+        self._preemptor.take_notices()
         for job_id in list(self._attached):
             try:
                 self._poll(job_id)
+            except NotLeader:
+                raise
             except Exception:  # one job's trouble must not stall the others; logged
                 log.exception("job %s: poll/ingest failed", job_id)
         topology = self._refresh_cluster()
+        self._preemptor.tick(self._attached, self._ledger.cordoned if self._ledger else frozenset())
         admission.admit_pending(self._sf, self._rsf, self.settings, topology)
         self._schedule(topology)
         with self._rsf() as s:
@@ -215,7 +261,8 @@ class Scheduler:
     def _ingest(self, a: Attached, snap: Mapping[str, Any]) -> None:
         """Write one controller snapshot into the store (one transaction), then act on it."""
         new_events = [e for e in snap["events"] if e["seq"] > a.seq]
-        a.seq, current = write_snapshot(self._sf, a.job_id, a.seq, snap, new_events)
+        a.seq, current = write_snapshot(self._sf, a.job_id, a.seq, snap, new_events,
+                                        feedback=self.settings.planner_feedback)
         a.controller_state = ControllerState(snap["state"])
         if a.controller_state in PLACED_STATES:
             a.placement = list(snap["placement"])
@@ -243,6 +290,7 @@ class Scheduler:
     def _detach(self, job_id: str, why: str) -> None:
         self._attached.pop(job_id, None)
         self._waiting.forget(job_id)
+        self._preemptor.forget(job_id)
         kill_controller(job_id)
         metrics.forget_job(job_id)
         log.info("job %s: detached (%s)", job_id, why)
@@ -275,36 +323,51 @@ class Scheduler:
         if any(a.reserving for a in self._attached.values()):
             return  # one reservation in flight at a time
         view = free_view(topology, held_gpus(self._attached.values()))
-        with self._rsf() as s:
-            queued = [(j.id, dict(j.plan or {}), j.version) for j in store.list_jobs(
-                s, states=[JobState.QUEUED], limit=None, order="queue") if j.id not in self._attached]
-        for job_id, plan, version in queued:
-            try:
-                layout = Layout.from_dict(plan["layout"])
-            except (KeyError, TypeError, ValueError) as e:
-                admission.fail_job(self._sf, job_id, f"the job's plan has no usable layout: {e}")
+        free = sum(n.gpus_free for n in view.schedulable_nodes())
+        with self._rsf() as s:  # quotas, weighted fair share, backfill (service/scheduler/fairshare.py)
+            queued = admission.queue_decisions(s, free_gpus=free, now=time.time(), skip=set(self._attached))
+        for q in queued:
+            if q.layout is None or q.decision is None:
+                admission.fail_job(self._sf, q.job_id, q.error or "the job's plan has no usable layout")
+                continue
+            if not q.decision.start and q.decision.kind in admission.OWN_REASONS:
+                self._waiting.note(q.job_id, q.decision.reason)
+                continue
+            if (held := self._preemptor.held_back(q.job_id)) is not None:
+                self._waiting.note(q.job_id, held)
                 continue
             try:
-                intended = place(layout, view)
-            except PlacementError as e:
-                self._waiting.note(job_id, admission.waiting_reason(layout, view, e))
+                intended = place(q.layout, view)
+            except PlacementError as e:  # lower-priority jobs may make room (service.scheduler.notices)
+                room = self._preemptor.make_room(q.job_id, q.layout, topology, self._attached) \
+                    if self.settings.preempt_for_priority else None
+                self._waiting.note(q.job_id, room or admission.waiting_reason(q.layout, view, e))
                 continue
-            self._start(job_id, version, layout, intended)
+            if not q.decision.start:  # the GPUs are there but fair share or a reservation says wait
+                self._waiting.note(q.job_id, q.decision.reason)
+                continue
+            self._start(q.job_id, q.version, q.layout, intended, borrowing=q.decision.borrowing)
             return  # the next start waits until this one holds its GPUs
 
-    def _start(self, job_id: str, version: int, layout: Layout, intended: Placement) -> None:
+    def _start(self, job_id: str, version: int, layout: Layout, intended: Placement, *,
+               borrowing: bool = False) -> None:
         nodes: dict[str, int] = {}
         for r in intended.ranks:
             nodes[r.node_name] = nodes.get(r.node_name, 0) + 1
         try:
             with store.session_scope(self._sf) as s:
+                lent = " (borrowed beyond its tenant's quota, reclaimable)" if borrowing else ""
                 job = store.transition(
                     s, job_id, JobState.STARTING, expected_version=version,
-                    reason=f"{layout.world_size} GPUs free for {layout.describe()}",
-                    event_payload={"nodes": nodes, "notes": list(intended.notes)},
+                    reason=f"{layout.world_size} GPUs free for {layout.describe()}{lent}",
+                    event_payload={"nodes": nodes, "notes": list(intended.notes), "borrowing": borrowing},
                 )
+                doc = dict(job.progress or {})
+                if borrowing or doc.get("borrowing"):  # its GPUs are lent, reclaimable
+                    store.update_progress(s, job_id, progress={**doc, "borrowing": borrowing})
                 spec_row, seq, created = dict(job.spec), job.controller_seq, job.created_at
                 reached = job.step  # 0, or the checkpoint a resumed job restores (faults before it are done)
+                note_resumed(s, job_id, reached)
         except (ConcurrentUpdate, IllegalTransition) as e:
             log.info("job %s changed before it could start: %s", job_id, e)
             return
@@ -323,7 +386,8 @@ class Scheduler:
         ckpt_dir = (self.settings.checkpoint_root / job_id).resolve()  # type: ignore[operator]
         policy = RestartPolicy(max_restarts=max(0, spec.fault_tolerance.max_restarts - restarts_used))
         try:
-            run_cfg = spec.to_run_config(layout, str(ckpt_dir))
+            run_cfg = spec.to_run_config(layout, str(ckpt_dir),
+                                         precision=((job.plan or {}).get("train") or {}).get("precision"))
             options = admission.controller_options(self.settings, spec, seq, reached_step,
                                                    self._controller_defaults)
             controller = start_controller(job_id, run_cfg, options=options, failure_policy=policy,

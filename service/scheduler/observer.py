@@ -35,6 +35,8 @@ class Derived:
     mfu: float | None
     parts: Mapping[str, float]
     predicted_mfu: float | None = None
+    step_time_predicted: float | None = None  # the plan's step time (service.performance)
+    step_time_measured: float | None = None  # the ranks' median after warm-up
 
 
 # Job id -> what the ingest derived from its last snapshot, read by that job's next `observe`.
@@ -90,6 +92,9 @@ class JobMetrics:
         elif kind == EventKind.INTEGRITY_ERROR:
             metrics.JOB_SDC.labels(*labels).inc()
             metrics.SDC_DETECTIONS.inc()
+        elif kind == EventKind.PREEMPTED:
+            metrics.PREEMPTIONS.inc()
+            metrics.STEPS_LOST_TO_PREEMPTION.inc(_number(e.get("steps_lost")) or 0)
 
 
 def _observe_derived(labels: tuple[str, str, str], derived: Derived) -> None:
@@ -97,6 +102,10 @@ def _observe_derived(labels: tuple[str, str, str], derived: Derived) -> None:
         metrics.JOB_MFU.labels(*labels).set(derived.mfu)
     if derived.predicted_mfu is not None:
         metrics.JOB_MFU_PREDICTED.labels(*labels).set(derived.predicted_mfu)
+    if derived.step_time_predicted is not None:
+        metrics.JOB_STEP_TIME_PREDICTED.labels(*labels).set(derived.step_time_predicted)
+    if derived.step_time_measured is not None:
+        metrics.JOB_STEP_TIME_MEDIAN.labels(*labels).set(derived.step_time_measured)
     for part, seconds in derived.parts.items():
         metrics.JOB_GOODPUT_SECONDS.labels(*labels, part.removesuffix("_s")).set(seconds)
     if (ratio := goodput_ratio(derived.parts)) is not None:

@@ -38,7 +38,8 @@ class FaultSpec(StrictModel):
         None, description="'step' (after step at_step; default) or 'checkpoint' (inside the next save)."
     )
     seconds: float | None = Field(None, gt=0, le=3600, description="slow_rank: delay per step (default 1).")
-    target: Literal["param", "grad"] | None = Field(None, description="bitflip: a weight or a gradient.")
+    target: Literal["param", "grad", "reduce"] | None = Field(
+        None, description="bitflip: a weight, a local gradient, or a reduced gradient bucket.")
     name: str | None = Field(None, min_length=1, max_length=256, description="bitflip: parameter name.")
     index: int | None = Field(None, ge=0, le=1 << 40, description="bitflip: element index.")
     bit: int | None = Field(None, ge=0, le=63, description="bitflip: bit to flip (default 30).")

@@ -43,6 +43,7 @@ from service.schemas.training import (
     FaultTolerancePolicy,
     LayoutSpec,
     ParallelismField,
+    PreemptionPolicy,
     ResourcesSpec,
     TrainConfig,
 )
@@ -93,6 +94,11 @@ class JobSpec(StrictModel):
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy, description="Checkpoint policy.")
     fault_tolerance: FaultTolerancePolicy = Field(
         default_factory=FaultTolerancePolicy, description="Restart and detection policy."
+    )
+    preemption: PreemptionPolicy = Field(
+        default_factory=PreemptionPolicy,
+        description="Preemption notices: grace period, opt-out (docs/fault_tolerance.md).",
+        examples=[{"grace_s": 60.0}],
     )
     faults: list[FaultSpec] = Field(
         default_factory=list,
@@ -163,8 +169,10 @@ class JobSpec(StrictModel):
         except LayoutError:
             return None
 
-    def to_run_config(self, layout: Layout, checkpoint_dir: str | None) -> RunConfig:
-        """What each rank's training loop needs, for the layout the job was placed with."""
+    def to_run_config(self, layout: Layout, checkpoint_dir: str | None,
+                      precision: str | None = None) -> RunConfig:
+        """What each rank's training loop needs, for the layout the job was placed with and the
+        precision its plan used (train.precision, else the plan's default, else fp32)."""
         return RunConfig(
             model=self.model_spec(),
             layout=layout,
@@ -183,8 +191,11 @@ class JobSpec(StrictModel):
                 keep=self.checkpoint.keep,
                 async_save=self.checkpoint.async_save,
             ),
-            integrity=IntegrityConfig(fingerprint_every=self.fault_tolerance.sdc_check_every),
+            integrity=IntegrityConfig(fingerprint_every=self.fault_tolerance.sdc_check_every,
+                                      abft=self.fault_tolerance.sdc_abft),
             dp_impl=self.train.dp_impl,
+            precision=self.train.precision or precision or "fp32",
+            compile=self.train.compile,
             init_from=(InitConfig(path=self.model.init_from.path, format=self.model.init_from.format)
                        if self.model.init_from is not None else None),
         )

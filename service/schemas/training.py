@@ -68,11 +68,16 @@ class TrainConfig(StrictModel):
         None, gt=0, le=1e6, description="Global gradient-norm clip; unset = none."
     )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Initialisation seed.")
-    precision: Literal["bf16_fp32_adam", "bf16_fp32_master"] = Field(
-        "bf16_fp32_adam", description="Mixed precision recipe (the planner counts its bytes per parameter)."
+    precision: Literal["fp32", "bf16_fp32_adam"] | None = Field(
+        None,
+        description="fp32, or bf16_fp32_adam (bf16 compute, fp32 master weights and Adam state); unset = the "
+        "planner's default for the cluster: fp32 on the CPU cluster (cpu-virtual), bf16_fp32_adam on GPUs.",
     )
     dp_impl: Literal["lattice", "torch"] = Field(
         "lattice", description="Data-parallel implementation at zero_stage 0: Lattice's DDP or torch DDP."
+    )
+    compile: bool = Field(
+        False, description="torch.compile the model (in place: checkpoints and fingerprints keep its names)."
     )
 
 
@@ -155,6 +160,17 @@ class CheckpointPolicy(StrictModel):
     )
 
 
+class PreemptionPolicy(StrictModel):
+    grace_s: float = Field(
+        120.0, ge=0, le=3600,
+        description="How long a preemption notice waits for the checkpoint at the next step boundary; "
+        "past it the job stops anyway and resumes from its last verified checkpoint (later steps lost).",
+    )
+    preemptible: bool = Field(
+        True, description="false: never preempted for another job or a node drain (admin only)."
+    )
+
+
 class FaultTolerancePolicy(StrictModel):
     max_restarts: int = Field(3, ge=0, le=1000, description="Restarts before the job is failed.")
     heartbeat_timeout_s: float | None = Field(
@@ -162,4 +178,8 @@ class FaultTolerancePolicy(StrictModel):
     )
     sdc_check_every: int = Field(
         1, ge=0, le=MAX_COUNT, description="Replica fingerprint check period; 0 = off."
+    )
+    sdc_abft: bool = Field(
+        False, description="Checksum every linear, embedding and norm weight gradient before the DP "
+        "reduction (catches sign and mantissa flips; a few % of step time)."
     )

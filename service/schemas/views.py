@@ -10,7 +10,8 @@ from pydantic import (
     Field,
 )
 
-from service.progress import goodput
+from service.performance import performance
+from service.progress import goodput, memory_vs_plan
 
 if TYPE_CHECKING:
     from service.store.models import Job, JobEvent
@@ -65,6 +66,13 @@ class Progress(BaseModel):
     )
     val_step: int | None = Field(None, description="The step of that evaluation.")
     goodput: Goodput = Field(default_factory=Goodput)
+    precision: str | None = Field(
+        None, description="The precision the job trains in (train.precision, or the plan's default)."
+    )
+    memory: dict[str, Any] | None = Field(
+        None, description="Bytes per rank from the first step (params, grads, optimizer, activations): "
+        "`measured` (the largest rank's), `planned` (the plan's memory_per_gpu_bytes), `ratio`."
+    )
 
     @classmethod
     def from_row(cls, job: Job, now: dt.datetime | None = None) -> Progress:
@@ -82,6 +90,8 @@ class Progress(BaseModel):
             val_loss=doc.get("val_loss"),
             val_step=doc.get("val_step"),
             goodput=Goodput(**goodput(doc, created=job.created_at.timestamp(), end=end.timestamp())),
+            precision=((job.plan or {}).get("train") or {}).get("precision"),
+            memory=memory_vs_plan(job.plan, doc),
         )
 
 
@@ -98,6 +108,12 @@ class JobPublic(BaseModel):
     spec: dict[str, Any] = Field(description="The normalised JobSpec.")
     plan: dict[str, Any] | None = Field(description="The planner's Plan (layout and its evidence).")
     progress: Progress
+    performance: dict[str, Any] | None = Field(
+        None, description="Predicted vs measured (service.performance): `predicted` (step_time_s, "
+        "tokens_per_s, mfu, terms_s), `measured` (medians after warm-up: step_time_s, tokens_per_s, mfu, "
+        "phases_s, steps), `ratio` (measured / predicted step time) and `terms` (per time term); null "
+        "without a plan.",
+    )
     reason: str = Field(
         description="Why the job is in its state, e.g. 'queued: needs 4 GPUs, 2 free', 'recovering: "
         "rank(s) [3] died ... (on r1-n2)', 'running'.",
@@ -126,6 +142,7 @@ class JobPublic(BaseModel):
             spec=job.spec,
             plan=job.plan,
             progress=Progress.from_row(job),
+            performance=performance(job.plan, job.progress),
             reason=job.reason or job.state,
             result=job.result,
             placement=[RankPlacementPublic.model_validate(r) for r in job.placement or []] or None,

@@ -16,6 +16,8 @@ from service.store.checkpoints import (
 from service.store.db import make_engine, make_session_factory, session_scope
 from service.store.jobs import (
     LEGAL_TRANSITIONS,
+    PREEMPT_TRANSITIONS,
+    PREEMPTED_EVENT,
     RESUME_EVENT,
     RESUME_TRANSITIONS,
     append_event,
@@ -25,6 +27,7 @@ from service.store.jobs import (
     list_events,
     list_jobs,
     new_job_id,
+    requeue_preempted,
     resume_job,
     set_plan,
     transition,
@@ -86,8 +89,11 @@ __all__ = [
     "set_node_health",
     "set_plan",
     "transition",
+    "requeue_preempted",
     "resume_job",
     "RESUME_EVENT",
+    "PREEMPT_TRANSITIONS",
+    "PREEMPTED_EVENT",
     "RESUME_TRANSITIONS",
     "update_progress",
     "upsert_node",

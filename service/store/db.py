@@ -82,6 +82,14 @@ def make_session_factory(engine: Engine, *, read_only: bool = False) -> sessionm
     return sessionmaker(bind, expire_on_commit=False)
 
 
+def read_phase(session: Session) -> None:
+    """Begin the next transaction of a write session as a read: on SQLite a deferred `BEGIN`, so a
+    read-only stretch (an idempotency lookup, a quota check) never takes the write lock. Call it
+    before the stretch's first statement and commit to end it; the next transaction is a write again."""
+    if not session.in_transaction():
+        session.connection(execution_options={_READ_ONLY: True})
+
+
 @contextmanager
 def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
     """One short transaction: commit on success, roll back on error."""

@@ -42,6 +42,14 @@ RESUME_TRANSITIONS: dict[JobState, JobState] = {
     JobState.FAILED: JobState.QUEUED,
     JobState.CANCELLED: JobState.QUEUED,
 }
+# The other way back to `queued`: a preempted job (a preemption notice made its controller checkpoint
+# and stop, workers.controller.preempt) goes from an active state back to the queue through
+# `requeue_preempted`, which `transition` never does (a running job otherwise leaves only through
+# recovering): queued from running via preempted.
+PREEMPT_TRANSITIONS: frozenset[JobState] = frozenset(
+    {JobState.STARTING, JobState.RUNNING, JobState.RECOVERING}
+)
+PREEMPTED_EVENT = "preempted"
 # The event an explicit resume appends (the controller's own `resumed` means "training continued").
 RESUME_EVENT = "resume_requested"
 
@@ -248,6 +256,34 @@ def resume_job(
         "from_state": current.value, "checkpoint_step": checkpoint_step, "step": step,
         "attempt": job.attempt + 1, "by": by, "message": message,
     })
+    session.refresh(job)
+    return job
+
+
+def requeue_preempted(session: Session, job_id: str, *, step: int, reason: str) -> Job:
+    """Move a preempted job (starting, running or recovering) back to `queued` by compare-and-set:
+    `step` set to the checkpoint it resumes from, the `state` event marked `preempted`. Raises
+    IllegalTransition from any other state, ConcurrentUpdate on a race."""
+    job = get_job(session, job_id)
+    session.refresh(job)
+    current = JobState(job.state)
+    if current not in PREEMPT_TRANSITIONS:
+        raise IllegalTransition(job_id, current.value, JobState.QUEUED.value,
+                                tuple(sorted(s.value for s in LEGAL_TRANSITIONS[current])))
+    version = job.version
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.version == version)
+        .values(state=JobState.QUEUED.value, version=Job.version + 1, updated_at=utcnow(), step=step,
+                reason=f"queued: {reason}"[:2000])
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        actual = session.scalar(select(Job.version).where(Job.id == job_id))
+        raise ConcurrentUpdate(job_id, version, actual)
+    append_event(session, job_id, "state", {"from": current.value, "to": JobState.QUEUED.value,
+                                             "version": version + 1, "reason": reason, "preempted": True,
+                                             "step": step})
     session.refresh(job)
     return job
 

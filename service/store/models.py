@@ -25,6 +25,8 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
@@ -114,6 +116,10 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     max_priority: Mapped[int | None] = mapped_column(Integer)  # None: the service default cap
+    gpu_quota: Mapped[int | None] = mapped_column(Integer)  # GPUs its running jobs may hold; None: no cap
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default=text("1.0"))  # fair-share weight
+    # May run on idle GPUs beyond its quota (such jobs are marked borrowing and are reclaimable).
+    borrowing: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class ApiToken(Base):
@@ -235,3 +241,31 @@ class IdempotencyKey(Base):
     request_hash: Mapped[str] = mapped_column(String(64))
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class SchedulerLease(Base):
+    """A leader lease (service.scheduler.leader): who acts, since when, and the term that fences the
+    writes of a deposed holder (every fenced transaction checks the term it was elected with)."""
+
+    __tablename__ = "scheduler_leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str | None] = mapped_column(String(255))  # 'host:pid'; None: released, free to take
+    term: Mapped[int] = mapped_column(Integer, default=0)  # +1 on every change of holder
+    since: Mapped[dt.datetime] = mapped_column(default=utcnow)  # when this term began
+    renewed_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[dt.datetime] = mapped_column(default=utcnow)  # for people; takeover uses local clocks
+
+
+class HardwareProfileRecord(Base):
+    """A measured hardware profile of one node type (`lattice calibrate`); versions count up per type.
+    The document is service.planner.efficiency.HardwareProfile's JSON (service.store.profiles)."""
+
+    __tablename__ = "hardware_profiles"
+    __table_args__ = (UniqueConstraint("node_type", "version"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_type: Mapped[str] = mapped_column(String(64))
+    version: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    profile: Mapped[dict[str, Any]]

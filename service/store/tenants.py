@@ -22,6 +22,25 @@ def list_tenants(session: Session) -> list[Tenant]:
     return list(session.scalars(select(Tenant).order_by(Tenant.name)))
 
 
+# What an admin sets on a tenant (PUT /v1/tenants/{tenant}).
+TENANT_SETTINGS = frozenset({"max_priority", "gpu_quota", "weight", "borrowing"})
+
+
+def update_tenant(session: Session, name: str, **fields: object) -> Tenant:
+    """Create the tenant if needed and set the given fields (the others keep their values)."""
+    unknown = set(fields) - TENANT_SETTINGS
+    if unknown:
+        raise ValueError(f"update_tenant cannot set {sorted(unknown)}; allowed: {sorted(TENANT_SETTINGS)}")
+    ensure_tenant(session, name)
+    row = session.get(Tenant, name)
+    assert row is not None  # just ensured
+    session.refresh(row)  # the identity map may hold a row from before a concurrent update
+    for key, value in fields.items():
+        setattr(row, key, value)
+    session.flush()
+    return row
+
+
 def add_token(
     session: Session,
     *,

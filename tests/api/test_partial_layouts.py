@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service import store
 from service.api.app import create_app
-from service.planner import ClusterSpec, TrainSpec, get_preset, plan_layout
+from service.planner import ClusterSpec, TrainSpec, default_precision, get_preset, plan_layout
 from service.schemas import JobSpec
 from service.settings import Settings
 from service.store.models import JobState
@@ -51,7 +51,8 @@ def test_the_issue_example_is_accepted_and_planned(
     cluster = ClusterSpec(
         settings.gpu_type, 8, settings.embedded_gpus_per_node, settings.embedded_nodes_per_rack
     )
-    direct = plan_layout(get_preset("demo"), TrainSpec(8, 64), cluster, {"tp": 2, "pp": 2, "dp": 2})
+    train = TrainSpec(8, 64, precision=default_precision(settings.gpu_type))  # fp32 on the CPU cluster
+    direct = plan_layout(get_preset("demo"), train, cluster, {"tp": 2, "pp": 2, "dp": 2})
     assert plan["layout"] == direct.to_dict()["layout"]
     # The stored spec validates back to the same partial layout (the scheduler re-reads it).
     assert JobSpec.model_validate(job["spec"]).layout_given() == {"tp": 2, "pp": 2, "dp": 2}

@@ -110,7 +110,7 @@ class StubServer:
             return CLUSTER
         if parts[:3] == ["v1", "cluster", "nodes"]:
             node = next(n for n in CLUSTER["nodes"] if n["id"] == parts[3])
-            return node | {"cordoned": parts[4] == "cordon"}
+            return node | {"cordoned": parts[4] in ("cordon", "drain")}
         if parts[2] != JOB["id"]:
             raise CliError(f"404 Not Found: job {parts[2]!r} not found")
         if path.endswith("/logs/index"):
@@ -230,3 +230,6 @@ def test_cluster_status_cordon_uncordon(stub: StubServer) -> None:
     assert cordoned.exit_code == 0 and "node r1-n2: cordoned" in cordoned.stdout
     assert ("POST", "/v1/cluster/nodes/r1-n2/cordon", {}) in stub.calls
     assert "not cordoned" in run("cluster", "uncordon", "r1-n2").stdout
+    drained = run("cluster", "drain", "r1-n2")
+    assert drained.exit_code == 0 and "node r1-n2: cordoned" in drained.stdout
+    assert ("POST", "/v1/cluster/nodes/r1-n2/drain", {}) in stub.calls

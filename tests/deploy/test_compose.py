@@ -1,7 +1,8 @@
 """docker-compose.yml: valid for Debian's `docker-compose config` (which validates against the
 compose-spec schema it ships), secrets required, services started in dependency order (health
-checks, the migration first), every file it references present in the repository, and its
-addresses consistent with prometheus.yml."""
+checks, the migration first), every file it references present in the repository, its addresses
+consistent with prometheus.yml, and two API replicas (`--role api`) plus two schedulers (`--role
+scheduler`) on one PostgreSQL."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ SERVICES = {
     "migrate",
     "metrics-token",
     "api",
+    "scheduler",
     "ray-head",
     "ray-worker-r1",
     "ray-worker-r2",
@@ -71,18 +73,40 @@ def test_services_and_gating(resolved: dict) -> None:
     assert services["grafana"]["depends_on"].keys() == {"prometheus"}
 
 
-def test_api_talks_to_postgres_and_the_ray_head(resolved: dict) -> None:
-    env = resolved["services"]["api"]["environment"]
+def test_api_and_schedulers_talk_to_postgres_and_only_the_schedulers_to_ray(resolved: dict) -> None:
+    services = resolved["services"]
+    env, sched = services["api"]["environment"], services["scheduler"]["environment"]
     password = SECRETS["POSTGRES_PASSWORD"]
     assert env["LATTICE_DATABASE_URL"] == f"postgresql+psycopg://lattice:{password}@postgres:5432/lattice"
-    assert (
-        resolved["services"]["migrate"]["environment"]["LATTICE_DATABASE_URL"] == env["LATTICE_DATABASE_URL"]
-    )
-    assert resolved["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"] == password
-    assert env["LATTICE_RAY_ADDRESS"] == "ray-head:6379"
-    assert "--port=6379" in resolved["services"]["ray-head"]["command"]
+    assert services["migrate"]["environment"]["LATTICE_DATABASE_URL"] == env["LATTICE_DATABASE_URL"]
+    assert sched["LATTICE_DATABASE_URL"] == env["LATTICE_DATABASE_URL"]
+    assert services["postgres"]["environment"]["POSTGRES_PASSWORD"] == password
+    assert "LATTICE_RAY_ADDRESS" not in env  # the API role never touches Ray
+    assert sched["LATTICE_RAY_ADDRESS"] == "ray-head:6379"
+    assert "--port=6379" in services["ray-head"]["command"]
     assert env["LATTICE_HOST"] == "0.0.0.0" and env["LATTICE_PORT"] == "8000"
-    assert {"published": 8000, "target": 8000} in resolved["services"]["api"]["ports"]
+    assert _published(services["api"]) == [("0.0.0.0", 8000), ("0.0.0.0", 8001)]  # one port per replica
+    for name in ("api", "scheduler"):
+        assert env["LATTICE_MIGRATE_ON_START"] == sched["LATTICE_MIGRATE_ON_START"] == "false"
+        assert services[name]["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}
+    assert services["scheduler"]["depends_on"]["ray-head"] == {"condition": "service_healthy"}
+
+
+def test_two_api_replicas_and_two_schedulers_by_role(resolved: dict) -> None:
+    services = resolved["services"]
+    for name, role in (("api", "api"), ("scheduler", "scheduler")):
+        command = services[name]["command"]
+        assert command[:2] == ["lattice", "serve"] and command[command.index("--role") + 1] == role, name
+        assert services[name]["deploy"]["replicas"] == 2, name
+    assert not services["scheduler"].get("ports")  # no HTTP: nothing to publish
+    assert "healthcheck" in services["api"]
+    from typer.testing import CliRunner
+
+    from service.cli import app
+
+    help_text = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}).stdout
+    if "--role" in help_text:  # the flag this file uses (issue 14 item 1)
+        assert "scheduler" in help_text
 
 
 def test_settings_know_every_lattice_variable(resolved: dict) -> None:
@@ -124,7 +148,7 @@ def test_ray_labels_parse_with_the_installed_ray(resolved: dict) -> None:
 
 def test_lattice_services_share_one_image_built_from_the_dockerfile(raw: dict) -> None:
     services = raw["services"]
-    built = ("migrate", "metrics-token", "api", "ray-head", "ray-worker-r1", "ray-worker-r2")
+    built = ("migrate", "metrics-token", "api", "scheduler", "ray-head", "ray-worker-r1", "ray-worker-r2")
     images = {services[n]["image"] for n in built}
     assert len(images) == 1
     for name in built:
@@ -164,10 +188,13 @@ def test_mounts_match_what_prometheus_and_grafana_read(raw: dict) -> None:
 def test_prometheus_targets_are_compose_services(resolved: dict) -> None:
     config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
     jobs = {
-        job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+        job["job_name"]: [t for sc in job.get("static_configs", []) for t in sc["targets"]]
         for job in config["scrape_configs"]
     }
-    assert jobs["lattice-api"] == ["api:8000"]
+    (api,) = [j for j in config["scrape_configs"] if j["job_name"] == "lattice-api"]
+    # every replica of the `api` service, by DNS (one A record per replica)
+    assert api["dns_sd_configs"] == [{"names": ["api"], "type": "A", "port": 8000, "refresh_interval": "15s"}]
+    assert jobs["lattice-api"] == []
     ray_nodes = {n for n in resolved["services"] if n.startswith("ray-")}
     assert {t.split(":")[0] for t in jobs["ray"]} == ray_nodes
     for target in jobs["ray"]:
@@ -186,8 +213,10 @@ def _published(service: dict) -> list[tuple[str, int]]:
     out = []
     for port in service.get("ports", []):
         if isinstance(port, dict):
-            if port.get("published") is not None:
-                out.append((port.get("host_ip") or "0.0.0.0", int(port["published"])))
+            if port.get("published") is not None:  # a port or a range ("8000-8001": one per replica)
+                first, _, last = str(port["published"]).partition("-")
+                for number in range(int(first), int(last or first) + 1):
+                    out.append((port.get("host_ip") or "0.0.0.0", number))
             continue
         parts = str(port).split("/")[0].rsplit(":", 2)
         if len(parts) == 3:
@@ -217,6 +246,8 @@ def test_published_port_parser() -> None:
     ]
     mapping = {"published": 1, "target": 1, "host_ip": "127.0.0.1"}
     assert _published({"ports": [mapping]}) == [("127.0.0.1", 1)]
+    assert _published({"ports": [{"published": "8000-8002", "target": 8000}]}) == [
+        ("0.0.0.0", 8000), ("0.0.0.0", 8001), ("0.0.0.0", 8002)]
 
 
 def test_only_the_api_is_published_beyond_loopback(resolved: dict) -> None:
@@ -226,7 +257,7 @@ def test_only_the_api_is_published_beyond_loopback(resolved: dict) -> None:
         for host, port in _published(service)
         if host not in LOOPBACK
     }
-    assert exposed == {("api", 8000)}
+    assert exposed == {("api", 8000), ("api", 8001)}
     published = {(n, p) for n, s in resolved["services"].items() for _h, p in _published(s)}
     # Prometheus (lifecycle API) and Grafana are reachable from the host's loopback
     assert {("prometheus", 9090), ("grafana", 3000)} <= published
@@ -244,13 +275,13 @@ def test_the_ray_dashboard_listens_on_loopback_inside_its_container(resolved: di
             assert not [a for a in service["command"] if "0.0.0.0" in a], name
 
 
-def test_only_the_api_and_prometheus_share_a_network_with_ray(resolved: dict) -> None:
+def test_only_the_schedulers_and_prometheus_share_a_network_with_ray(resolved: dict) -> None:
     networks = {name: set(s.get("networks") or {"default"}) for name, s in resolved["services"].items()}
     ray_nodes = {n for n in networks if n.startswith("ray-")}
     for name in ray_nodes:
         assert networks[name] == {"ray"}, name
     on_ray = {n for n, nets in networks.items() if "ray" in nets}
-    assert on_ray == ray_nodes | {"api", "prometheus"}
+    assert on_ray == ray_nodes | {"scheduler", "prometheus"}  # the API replicas never talk to Ray
     assert resolved["services"]["metrics-token"]["network_mode"] == "none"  # it only writes a file
 
 
@@ -266,6 +297,8 @@ def test_ray_nodes_mount_checkpoints_and_data_not_the_api_home(resolved: dict) -
     checkpoints, data = env["LATTICE_CHECKPOINT_ROOT"], env["LATTICE_DATA_ROOT"]
     assert data == "/var/lib/lattice/data"
     assert api_mounts[data] == ("data", False) and api_mounts[checkpoints] == ("checkpoints", False)
+    assert _mounts(resolved["services"]["scheduler"]) == {k: v for k, v in api_mounts.items()
+                                                           if k != "/run/lattice-metrics"}
     for name, service in resolved["services"].items():
         if not name.startswith("ray-"):
             continue

@@ -1,5 +1,6 @@
-"""deploy/kuberay/: the RayCluster (racks, GPUs, metrics port), the API Deployment + Service, the
-migration Job and the PodMonitors fit together and match the image and the settings."""
+"""deploy/kuberay/: the RayCluster (racks, GPUs, metrics port), the API Deployment (two `--role api`
+replicas) + Service, the scheduler Deployment (two `--role scheduler` replicas), the migration Job
+and the PodMonitors fit together and match the image and the settings."""
 
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ def _pod_specs() -> Iterator[tuple[str, dict, dict]]:
     )
     for group in cluster["workerGroupSpecs"]:
         yield group["groupName"], group["template"]["metadata"], group["template"]["spec"]
-    for kind, name in (("Deployment", "lattice-api"), ("Job", "lattice-migrate")):
+    lattice_pods = (("Deployment", "lattice-api"), ("Deployment", "lattice-scheduler"),
+                    ("Job", "lattice-migrate"))
+    for kind, name in lattice_pods:
         template = DOCS[(kind, name)]["spec"]["template"]
         yield name, template.get("metadata", {}), template["spec"]
 
@@ -46,6 +49,7 @@ def test_manifests() -> None:
     assert {
         ("RayCluster", "lattice"),
         ("Deployment", "lattice-api"),
+        ("Deployment", "lattice-scheduler"),
         ("Service", "lattice-api"),
         ("Job", "lattice-migrate"),
         ("PersistentVolumeClaim", "lattice-checkpoints"),
@@ -104,15 +108,14 @@ def test_one_image_non_root_matching_the_dockerfile() -> None:
 
 def test_api_deployment_and_service() -> None:
     deployment = DOCS[("Deployment", "lattice-api")]["spec"]
-    assert deployment["replicas"] == 1 and deployment["strategy"]["type"] == "Recreate"
+    assert deployment["replicas"] == 2 and deployment["strategy"]["type"] == "RollingUpdate"
     (container,) = deployment["template"]["spec"]["containers"]
-    assert container["command"] == ["lattice", "serve"]
+    assert container["command"] == ["lattice", "serve", "--role", "api"]
     env = {e["name"]: e for e in container["env"]}
     fields = {f"LATTICE_{name.upper()}" for name in Settings.model_fields}
     assert set(env) <= fields, set(env) - fields
     assert env["LATTICE_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "lattice-db", "key": "url"}
-    # KubeRay names the head service <cluster>-head-svc; 6379 is the GCS port of the head
-    assert env["LATTICE_RAY_ADDRESS"]["value"] == "lattice-head-svc:6379"
+    assert "LATTICE_RAY_ADDRESS" not in env  # the API role never touches Ray
     assert env["LATTICE_PORT"]["value"] == "8000"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["http"] == 8000
@@ -128,6 +131,29 @@ def test_api_deployment_and_service() -> None:
     monitor = DOCS[("PodMonitor", "lattice-api")]["spec"]
     assert monitor["selector"]["matchLabels"].items() <= pod_labels.items()
     assert monitor["podMetricsEndpoints"][0]["port"] == "http"
+
+
+def test_two_schedulers_drive_ray_on_the_same_database() -> None:
+    scheduler = DOCS[("Deployment", "lattice-scheduler")]["spec"]
+    assert scheduler["replicas"] == 2
+    pod = scheduler["template"]
+    assert scheduler["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "scheduler"
+    (container,) = pod["spec"]["containers"]
+    assert container["command"] == ["lattice", "serve", "--role", "scheduler"]
+    assert not container.get("ports")  # no HTTP
+    env = {e["name"]: e for e in container["env"]}
+    fields = {f"LATTICE_{name.upper()}" for name in Settings.model_fields}
+    assert set(env) <= fields, set(env) - fields
+    # KubeRay names the head service <cluster>-head-svc; 6379 is the GCS port of the head
+    assert env["LATTICE_RAY_ADDRESS"]["value"] == "lattice-head-svc:6379"
+    (api,) = DOCS[("Deployment", "lattice-api")]["spec"]["template"]["spec"]["containers"]
+    api_env = {e["name"]: e for e in api["env"]}
+    for name in ("LATTICE_DATABASE_URL", "LATTICE_HOME", "LATTICE_CHECKPOINT_ROOT", "LATTICE_DATA_ROOT"):
+        assert env[name] == api_env[name], name
+    # the Service selects API pods only
+    service = DOCS[("Service", "lattice-api")]["spec"]
+    assert not service["selector"].items() <= pod["metadata"]["labels"].items()
 
 
 def test_migration_job_runs_the_migration_script() -> None:
@@ -195,7 +221,7 @@ def _claims(spec: dict) -> set[str]:
 
 def test_the_api_home_is_on_a_volume_no_ray_pod_mounts() -> None:
     """The admin token (and the server file) live in LATTICE_HOME: a rank reading them could act as
-    admin. Each is served by a claim that only the API mounts."""
+    admin. Each is served by a claim that only Lattice's pods (API, scheduler) mount."""
     env = _api_env()
     spec = DOCS[("Deployment", "lattice-api")]["spec"]["template"]["spec"]
     home = env["LATTICE_HOME"]
@@ -206,7 +232,8 @@ def test_the_api_home_is_on_a_volume_no_ray_pod_mounts() -> None:
         claim = volume["persistentVolumeClaim"]["claimName"]
         assert claim == "lattice-api-home" and claim not in ray_claims, state
         assert "subPath" not in mount
-    assert DOCS[("Deployment", "lattice-api")]["spec"]["replicas"] == 1  # so ReadWriteOnce suffices
+    # several API and scheduler replicas mount it, on any node
+    assert "ReadWriteMany" in DOCS[("PersistentVolumeClaim", "lattice-api-home")]["spec"]["accessModes"]
 
 
 def test_ray_pods_share_checkpoints_and_read_only_data_at_the_api_paths() -> None:
@@ -242,20 +269,22 @@ def _admits(peer: dict, labels: dict[str, str], same_namespace: bool = True) -> 
     return False
 
 
-def test_network_policy_admits_only_ray_and_the_api_to_ray_ports() -> None:
+def test_network_policy_admits_only_ray_and_the_schedulers_to_ray_ports() -> None:
     policy = DOCS[("NetworkPolicy", "lattice-ray")]["spec"]
     assert "Ingress" in policy["policyTypes"]
     assert policy["podSelector"] == {"matchLabels": RAY_POD_LABELS}
     assert DOCS[("RayCluster", "lattice")]["metadata"]["name"] == RAY_POD_LABELS["ray.io/cluster"]
     api_labels = DOCS[("Deployment", "lattice-api")]["spec"]["template"]["metadata"]["labels"]
+    scheduler_labels = DOCS[("Deployment", "lattice-scheduler")]["spec"]["template"]["metadata"]["labels"]
     migrate_labels = DOCS[("Job", "lattice-migrate")]["spec"]["template"]["metadata"]["labels"]
     cluster = DOCS[("RayCluster", "lattice")]["spec"]
     ray_labels = {**RAY_POD_LABELS, **cluster["headGroupSpec"]["template"]["metadata"]["labels"]}
     all_ports = [rule for rule in policy["ingress"] if "ports" not in rule]
     peers = [peer for rule in all_ports for peer in rule["from"]]
-    # every peer admitted on all ports is a pod selector of this namespace: Ray's pods or the API's
+    # every peer admitted on all ports is a pod selector of this namespace: Ray's or the schedulers'
     assert all(set(peer) == {"podSelector"} for peer in peers)
-    assert any(_admits(p, api_labels) for p in peers)
+    assert any(_admits(p, scheduler_labels) for p in peers)
+    assert not any(_admits(p, api_labels) for p in peers)  # the API role never talks to Ray
     assert any(_admits(p, ray_labels) for p in peers)
     # not any other pod of Lattice (the migration), not a pod without labels
     assert not any(_admits(p, migrate_labels) for p in peers)

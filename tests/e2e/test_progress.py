@@ -83,5 +83,12 @@ def test_progress_moves_and_goodput_adds_up(ray_cluster: Any, tmp_path: Path) ->
         assert sum(parts.values()) == pytest.approx(wall.total_seconds(), rel=0.05)
         assert parts["startup_s"] > 0 and parts["useful_s"] > 0  # start-up is its own part, not lost
         assert parts["restarting_s"] == 0  # no fault
+        # predicted vs measured (issue 16): the ranks' medians after warm-up next to the plan's
+        perf = end["performance"]
+        assert perf["predicted"]["step_time_s"] == end["plan"]["predicted"]["step_time_s"]
+        measured = perf["measured"]
+        assert measured["steps"] > 100 and measured["step_time_s"] > 0
+        assert {"compute", "dp_sync", "optimizer"} <= set(measured["phases_s"])
+        assert perf["ratio"] == pytest.approx(measured["step_time_s"] / perf["predicted"]["step_time_s"])
     finally:
         svc.close()

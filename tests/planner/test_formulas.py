@@ -42,7 +42,7 @@ def test_planner_memory_breakdown_uses_the_zero_formula():
     cluster = ClusterSpec("H100-80GB", 8)
     for stage in (0, 1, 2, 3):
         p = evaluate(model, train, cluster, Layout(dp=8, zero_stage=stage))
-        want = model_state_bytes(total_params(model), stage, 8, train.bytes_per_param)
+        want = model_state_bytes(total_params(model), stage, 8, train.bytes_per_param, fsdp2=True)
         got = (
             p.memory_per_gpu_bytes["params"],
             p.memory_per_gpu_bytes["grads"],
@@ -73,11 +73,24 @@ def test_activation_formula_cases(t: int, sp: bool, recompute: str, expected: fl
 
 
 def test_planner_activation_memory_is_layers_times_the_formula_plus_embedding_and_logits():
+    # Korthikanti et al.'s GPT (unfused attention, the published runs' era).
     m = get_preset("gpt2-small")
-    p = evaluate(m, TrainSpec(1, m.seq_len), ClusterSpec("H100-80GB", 1), Layout())
+    p = evaluate(m, TrainSpec(1, m.seq_len, attention="unfused"), ClusterSpec("H100-80GB", 1), Layout())
     s, h = m.seq_len, m.hidden
     per_layer = s * h * (34 + 5 * m.heads * s / h)
     expected = m.layers * per_layer + 2 * s * h + 6 * s * m.vocab  # + bf16 embedding out + logits/loss buffer
+    assert p.memory_per_gpu_bytes["activations"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_planner_activation_memory_of_the_engine_is_its_saved_tensors():
+    # Flash attention (the engine): what training.model.transformer saves (training.config.arithmetic),
+    # held to the engine's measurement by tests/training/test_memory_accounting.py.
+    from training.config.arithmetic import block_activation_bytes, head_activation_bytes
+
+    m = get_preset("gpt2-small")
+    p = evaluate(m, TrainSpec(1, m.seq_len), ClusterSpec("H100-80GB", 1), Layout())
+    t = m.seq_len
+    expected = m.layers * block_activation_bytes(m, t) + 8 * t + head_activation_bytes(m, t)  # + tokens
     assert p.memory_per_gpu_bytes["activations"] == pytest.approx(expected, rel=1e-12)
 
 

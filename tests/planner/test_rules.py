@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from service.planner import ClusterSpec, ModelSpec, TrainSpec, evaluate, get_preset, plan
+from training.config.layout import Layout
 
 H100 = "H100-80GB"
 # Llama 3.2 1B shape.
@@ -33,20 +34,27 @@ def test_405b_on_thousands_of_gpus_gets_tp_8_and_pp(gpus: int):
     assert p.layout.tp == 8
     assert p.layout.pp > 1
     assert p.layout.sequence_parallel
-    # Llama 3 reports 38-43% MFU for this shape and scale; the calibration lands in that range.
-    assert 0.35 < p.mfu < 0.48
+    # Llama 3 (Table 4) reports 38-43% MFU for its own layout at this scale: TP8, PP16, interleaved,
+    # mbs 1. That layout evaluated lands in the range; the search may only find something faster.
+    published = Layout(
+        tp=8, pp=16, dp=gpus // 128, micro_batch_size=1, num_microbatches=2048 * 128 // gpus,
+        schedule="interleaved_1f1b", virtual_stages=2, sequence_parallel=True, zero_stage=1,
+    )  # fmt: skip
+    llama = evaluate(get_preset("llama3-405b"), TrainSpec(2048, 8192), ClusterSpec(H100, gpus), published)
+    assert 0.35 < llama.mfu < 0.48
+    assert p.mfu >= llama.mfu
 
 
 def test_tp_stops_at_the_node():
     """TP past the node is rejected, and its prediction (all-reduces over InfiniBand) shows why."""
     model, train, cluster = get_preset("gpt3-175b"), TrainSpec(1536, 2048), ClusterSpec("A100-80GB", 1024)
     p = plan(model, train, cluster)
-    assert p.layout.tp == 8
+    assert p.layout.tp <= 8
     assert any(r["reason"] == "tp=16 crosses the 8-GPU node" for r in p.rejected)
     lay = p.layout
-    wide = evaluate(
-        model, train, cluster, lay.with_(tp=16, dp=lay.dp // 2, num_microbatches=lay.num_microbatches * 2)
-    )
+    wider = 16 // lay.tp  # the same layout with tp=16: dp shrinks and micro-batches grow by as much
+    wide_layout = lay.with_(tp=16, dp=lay.dp // wider, num_microbatches=lay.num_microbatches * wider)
+    wide = evaluate(model, train, cluster, wide_layout)
     assert wide.link_tiers["tp"] != "intra-node"
     assert wide.step_time_s > 1.2 * p.step_time_s
 

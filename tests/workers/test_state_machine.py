@@ -504,7 +504,7 @@ def test_event_log_is_ordered_and_read_incrementally():
 
 
 def test_state_names_and_terminal_flags():
-    assert {s for s in S if s.terminal} == {S.FINISHED, S.ERRORED, S.CANCELLED}
+    assert {s for s in S if s.terminal} == {S.FINISHED, S.ERRORED, S.CANCELLED, S.PREEMPTED}
 
 
 # ---- policies -----------------------------------------------------------------------------------------

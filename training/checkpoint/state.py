@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (  # _get_fqns: the canonica
     set_optimizer_state_dict,
 )
 
+from training.parallel.precision import plain_optimizer
 from training.parallel.wrapping import unwrap
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,9 @@ def optimizer_pairs(parts: Sequence[nn.Module], optimizer: OptimizerArg) -> list
         raise ValueError(
             f"pass one optimizer per model part: got {len(optims)} optimizer(s) for {len(parts)} part(s)"
         )
-    return [(unwrap(part), optim) for part, optim in zip(parts, optims, strict=True)]
+    # A bf16 run's optimizer steps its masters through the same parameter objects (which hold the
+    # fp32 masters while a checkpoint is saved or loaded: training.parallel.precision).
+    return [(unwrap(part), plain_optimizer(optim)) for part, optim in zip(parts, optims, strict=True)]
 
 
 def optimizer_state(pairs: list[tuple[nn.Module, Any]]) -> dict[str, Any]:

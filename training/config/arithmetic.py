@@ -106,3 +106,51 @@ def mfu(tokens_per_s: float, flops_per_token: float, world_size: int, peak: floa
     """Model FLOPs utilisation (Chowdhery et al. 2022, PaLM, Appendix B): achieved model FLOP/s over
     the peak of every rank's device; None when the peak is unknown."""
     return tokens_per_s * flops_per_token / (world_size * peak) if peak else None
+
+
+def act_bytes(precision: str) -> int:
+    """Bytes per activation element: 4 in fp32, 2 under the bf16 regimes (training.parallel.precision)."""
+    return 4 if precision == "fp32" else 2
+
+
+def norm_activation_bytes(model: ModelSpec, tokens: float, tp: int = 1, sp: bool = False,
+                          elem: int = 2) -> float:
+    """Bytes one RMSNorm and the linears after it keep for backward: the fp32 upcast of its input, the
+    fp32 1/rms per token and the normalised tensor (all sharded over TP under sequence parallel),
+    and the (all-gathered) output the next linears save. Counted from training.model.transformer's
+    saved tensors (torch.autograd.graph.saved_tensors_hooks; tests/training/test_memory_accounting.py)."""
+    shard = tp if sp else 1
+    return tokens * ((4 + elem) * model.hidden + 4) / shard + elem * tokens * model.hidden
+
+
+def block_activation_bytes(model: ModelSpec, tokens: float, tp: int = 1, sp: bool = False,
+                           recompute: str = "none", elem: int = 2) -> float:
+    """Bytes one dense block of the engine keeps for backward per micro-batch of `tokens` tokens.
+
+    What training.model.transformer saves, counted tensor by tensor (and measured by
+    training.parallel.memory): two norms (norm_activation_bytes); attention's q, k, v and output in
+    the activation dtype and one fp32 log-sum-exp per query head (fused SDPA keeps no s x s scores,
+    Dao 2023, FlashAttention-2); the MLP's inputs of its nonlinearity and of the down projection
+    (SwiGLU: w1 x, w3 x, silu(w1 x) and their product; GeLU: w1 x and gelu(w1 x)). Selective
+    recomputation keeps only the attention branch's input, full recomputation only the block's
+    (Korthikanti et al. 2022, Sec. 5, for which tensors each keeps). Differs from Korthikanti et al.'s
+    Table 2 (34 sbh + 5as/h, GPT-3's LayerNorm, GeLU, dropout and unfused attention).
+    """
+    shard = tp if sp else 1
+    h, elem_t = model.hidden, elem * tokens
+    if recompute == "full":
+        return elem_t * h / shard
+    q_dim, kv_dim = model.heads * model.head_dim, model.n_kv_heads * model.head_dim
+    mlp = (4 if model.activation == "swiglu" else 2) * elem_t * model.ffn_dim / tp
+    norms = 2 * norm_activation_bytes(model, tokens, tp, sp, elem)
+    if recompute == "selective":
+        return elem_t * h / shard + norms / 2 + mlp
+    core = (elem_t * (2 * q_dim + 2 * kv_dim) + 4.0 * tokens * model.heads) / tp
+    return norms + core + mlp
+
+
+def head_activation_bytes(model: ModelSpec, tokens: float, tp: int = 1, sp: bool = False,
+                          elem: int = 2) -> float:
+    """The last stage's extra: the final norm, the fp32 log-softmax of the full vocabulary (the loss is
+    not vocabulary-parallel) and the int64 targets."""
+    return norm_activation_bytes(model, tokens, tp, sp, elem) + 4.0 * tokens * model.vocab + 8.0 * tokens

@@ -11,6 +11,12 @@ from typing import Any
 from training.config.layout import Layout
 from training.config.spec import ModelSpec, SpecError
 
+# The precision regimes the engine trains in (service.planner.specs.PRECISIONS has their bytes per param).
+ENGINE_PRECISIONS = ("fp32", "bf16_fp32_adam")
+# torch.compile backends (training.parallel.compile): inductor generates kernels (a C++ compiler on
+# CPU, Triton on CUDA); aot_eager and eager trace without generating code (tests, debugging).
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -75,6 +81,9 @@ class IntegrityConfig:
     fingerprint_every: int = 1  # compare DP replicas' parameter fingerprints every N steps (0 = off)
     loss_spike_factor: float = 10.0  # a loss this many times the running mean is a spike
     check_finite: bool = True
+    # Opt-in: Huang-Abraham checksums of the weight gradients (linear, embedding, norm) before the
+    # DP reduction (training.integrity.abft; pp = 1, dp_impl "lattice"; job spec: sdc_abft).
+    abft: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,12 +98,22 @@ class RunConfig:
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     dp_impl: str = "lattice"  # zero_stage 0: "lattice" (training.parallel.ddp.DDP) or "torch" (torch DDP)
     init_from: InitConfig | None = None  # pretrained weights (model.init_from of the job spec)
+    # "fp32" or "bf16_fp32_adam" (bf16 compute, fp32 masters and AdamW state; training.parallel.precision)
+    precision: str = "fp32"
+    compile: bool = False  # torch.compile the model in place (training.parallel.compile)
+    compile_backend: str = "inductor"  # "inductor", or "aot_eager" / "eager" (no code generation)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise SpecError(f"train.steps must be >= 1, got {self.steps}")
         if self.dp_impl not in ("lattice", "torch"):
             raise SpecError(f"train.dp_impl must be 'lattice' or 'torch', got {self.dp_impl!r}")
+        if self.precision not in ENGINE_PRECISIONS:
+            raise SpecError(f"train.precision must be one of {', '.join(ENGINE_PRECISIONS)}, "
+                            f"got {self.precision!r}")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise SpecError(f"compile_backend must be one of {', '.join(COMPILE_BACKENDS)}, "
+                            f"got {self.compile_backend!r}")
         if self.data.kind not in ("synthetic", "tokens"):
             raise SpecError(f"data.kind must be 'synthetic' or 'tokens', got {self.data.kind!r}")
         if self.data.kind == "tokens" and not self.data.path:

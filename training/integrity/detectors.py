@@ -16,7 +16,8 @@ from training.parallel.wrapping import local_tensor
 
 
 class IntegrityError(RuntimeError):
-    """A failed integrity check. kind: nonfinite | loss_spike | grad_norm_spike | divergent_replicas."""
+    """A failed integrity check. kind: nonfinite | loss_spike | grad_norm_spike | divergent_replicas |
+    grad_checksum | grad_norm_outlier | grad_abft (training.integrity.gradient, .abft)."""
 
     def __init__(
         self,

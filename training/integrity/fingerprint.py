@@ -5,8 +5,8 @@ Data-parallel replicas must hold bitwise-identical parameters after every step (
 same averaged gradient to the same weights), so a per-step fingerprint of each replica's local
 parameters, all-gathered over the DP group, names a replica whose memory or arithmetic went
 wrong. What the fingerprint cannot see: a corrupted *local gradient* before the all-reduce is
-averaged into every replica alike; an exponent flip there shows up in the global gradient norm
-or as a non-finite loss (training.integrity.detectors).
+averaged into every replica alike: the checks in the DP reduction look for it
+(training.integrity.gradient, the opt-in training.integrity.abft).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ class BitFlip:
 
     step: int
     rank: int
-    target: Literal["param", "grad"]
+    target: Literal["param", "grad", "reduce"]  # reduce: the summed gradient in DDP's bucket
     name: str
     index: int
     bit: int
@@ -57,8 +57,8 @@ class BitFlip:
     persistent: bool = False
 
     def __post_init__(self) -> None:
-        if self.target not in ("param", "grad"):
-            raise ValueError(f"BitFlip.target must be 'param' or 'grad', got {self.target!r}")
+        if self.target not in ("param", "grad", "reduce"):
+            raise ValueError(f"BitFlip.target must be 'param', 'grad' or 'reduce', got {self.target!r}")
 
 
 def _strip_wrappers(name: str) -> str:
@@ -154,3 +154,22 @@ class BitFlipInjector:
             self._armed.append((f, p.register_hook(hook)))
             armed.append(f)
         return armed
+
+    def maybe_flip_reduced(self, step: int, named_views: Iterable[tuple[str, torch.Tensor]]) -> list[BitFlip]:
+        """Flip this step's "reduce" targets in DDP's reduced bucket (a parameter's view of it), after
+        the reduction and before the average is copied back: corruption in the communication, after
+        the local checksum was taken (training.integrity.gradient)."""
+        due = self._due(step, "reduce")
+        if not due:
+            return []
+        views = dict(named_views)
+        done = []
+        for f in due:
+            view = self._lookup(f.name, views)  # type: ignore[arg-type]
+            if view is None:
+                continue
+            flip_bit(view, f.index, f.bit)
+            log.info("injected %s", f)
+            self.applied.append(f)
+            done.append(f)
+        return done

@@ -15,8 +15,10 @@ from training.config.run import RunConfig
 from training.integrity.attribution import StepSnapshot, rerun_verdict
 from training.integrity.detectors import IntegrityError
 from training.integrity.fingerprint import FingerprintVote
+from training.integrity.gradient import GRAD_CHECK_KINDS
 from training.integrity.referee import referee_snapshot_path, referee_supported, save_referee_snapshot
 from training.parallel.dist import DistContext
+from training.parallel.precision import masters_in_place
 
 
 class RerunnableTrainer(Protocol):
@@ -50,7 +52,7 @@ def shared_error(error: IntegrityError | None) -> tuple[IntegrityError, list[tup
     return IntegrityError(kind, step, ranks, evidence), found
 
 
-_LOCAL_KINDS = ("grad_norm_spike", "nonfinite")
+_LOCAL_KINDS = ("grad_norm_spike", "nonfinite", *GRAD_CHECK_KINDS)
 
 
 def rerun_attribution(
@@ -59,7 +61,8 @@ def rerun_attribution(
     """Run `step` again from the pre-step snapshot on every rank and name the rank(s) whose first
     result did not reproduce (transient) or did (persistent). See training.integrity.attribution."""
     first = trainer.last_vote
-    trainer.snapshot.restore()  # type: ignore[union-attr]
+    with masters_in_place(trainer.optimizers):
+        trainer.snapshot.restore()  # type: ignore[union-attr]
     rerun_loss, _ = trainer.train_step(step, rerun=True)
     rerun_vote = trainer.pending_vote if first is not None else None
     mine: dict[str, Any] = {"rank": trainer.ctx.rank}

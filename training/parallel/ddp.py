@@ -201,6 +201,9 @@ class DDP(_DataParallel):
         self._next_to_launch = 0
         self._hook_handles: list[Any] = []
         self.late_rereductions = 0  # buckets reduced a second time because a gradient arrived after launch
+        # Gradient SDC checks (training.integrity.gradient.GradientAudit), set by the train loop: they
+        # read each bucket as packed and as reduced, and never write it.
+        self.grad_audit: Any = None
         if self.world_size > 1:
             for bi, bucket in enumerate(self._buckets):
                 for pos, p in enumerate(bucket.params):
@@ -278,8 +281,13 @@ class DDP(_DataParallel):
                 else:
                     view.copy_(local_tensor(p.grad))
 
+    def _audit_record(self, bucket: _Bucket) -> None:
+        if self.grad_audit is not None:
+            self.grad_audit.record(next(i for i, b in enumerate(self._buckets) if b is bucket), bucket.buffer)
+
     def _launch(self, bucket: _Bucket) -> None:
         self._pack(bucket)
+        self._audit_record(bucket)
         bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         bucket.launched = True
 
@@ -296,8 +304,11 @@ class DDP(_DataParallel):
             if bucket.dirty:
                 log.debug("DDP: re-reducing a bucket whose gradient was accumulated after launch")
                 self._pack(bucket)
+                self._audit_record(bucket)
                 dist.all_reduce(bucket.buffer, group=self.process_group)
                 self.late_rereductions += 1
+        if self.grad_audit is not None:  # every rank, every step: the audit's gather is a collective
+            self.grad_audit.verify([(b.params, b.views, b.buffer) for b in self._buckets])
         with torch.no_grad():
             for bucket in self._buckets:
                 for p, view in zip(bucket.params, bucket.views, strict=True):

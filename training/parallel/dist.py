@@ -2,6 +2,18 @@
 
 Backend follows the hardware: NCCL when CUDA is present, gloo on CPU. Ports are never
 hard-coded: `free_port()` asks the OS.
+
+On CUDA a rank uses the first GPU it can see: a Ray rank actor (`num_gpus=1`) sees exactly the GPU Ray
+assigned it (Ray sets CUDA_VISIBLE_DEVICES per actor, and the actor sets LOCAL_RANK=0); under torchrun
+every process sees the node's GPUs and LOCAL_RANK picks one. The device is made current
+(`torch.cuda.set_device`) before the process group exists and handed to `init_process_group`
+(`device_id`), so NCCL binds its communicator to it eagerly instead of guessing from the rank.
+
+The flight recorder (torch's ring buffer of each process group's recent collectives) is on for NCCL
+and for a rank given a dump location (`enable_flight_recorder`, before the group is created): NCCL's
+watchdog writes it to `TORCH_FR_DUMP_TEMP_FILE<rank>` when a collective times out, and
+`dump_flight_recorder` writes it as JSON on request (the controller asks the ranks for it on a
+hang: workers.collective_trace).
 """
 
 from __future__ import annotations
@@ -13,6 +25,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,9 +53,59 @@ def default_backend() -> str:
 
 
 def default_device() -> torch.device:
+    """cuda:LOCAL_RANK of the visible GPUs (cuda:0 in a Ray rank actor, which sees only its own), else CPU."""
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+# Collectives kept per process group by the flight recorder (torch's default when enabled is 2000).
+FLIGHT_RECORDER_ENTRIES = 2000
+
+
+def flight_recorder_env(dump_prefix: str | None) -> dict[str, str]:
+    """The environment that turns the flight recorder on (read when a process group is created).
+
+    TORCH_FR_* are torch >= 2.8's names for TORCH_NCCL_TRACE_BUFFER_SIZE and
+    TORCH_NCCL_DEBUG_INFO_TEMP_FILE; TORCH_NCCL_DUMP_ON_TIMEOUT has no new name."""
+    env = {"TORCH_FR_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    if dump_prefix:
+        env["TORCH_FR_DUMP_TEMP_FILE"] = dump_prefix  # the watchdog's dump: <prefix><rank>
+    return env
+
+
+def enable_flight_recorder(dump_prefix: str | None) -> None:
+    """Set `flight_recorder_env` in this process, keeping values the operator set already."""
+    for key, value in flight_recorder_env(dump_prefix).items():
+        os.environ.setdefault(key, value)
+    if dump_prefix:
+        try:
+            Path(dump_prefix).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # the watchdog then cannot write its dump; training goes on
+            log.warning("no flight recorder folder at %s: %s", Path(dump_prefix).parent, e)
+
+
+def dump_flight_recorder(path: str | os.PathLike[str], backend: str) -> str | None:
+    """Write this process's flight recorder (every group's recent collectives) to `path` as JSON.
+
+    Returns the path, or None when this torch build has no flight recorder for `backend` or nothing
+    could be written (a dump is evidence, never a reason to fail)."""
+    import torch._C._distributed_c10d as c10d
+
+    names = (["_dump_nccl_trace_json"] if backend == "nccl" else []) + ["_dump_fr_trace_json"]
+    for name in names:
+        dump = getattr(c10d, name, None)
+        if dump is None:
+            continue
+        try:
+            data = dump(True, False)  # (include collectives, only active ones)
+            target = Path(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data if isinstance(data, bytes) else str(data).encode())
+            return str(target)
+        except (RuntimeError, OSError, TypeError) as e:  # TypeError: another torch's signature
+            log.warning("flight recorder dump (%s) failed: %s", name, e)
+    return None
 
 
 @dataclass(frozen=True)
@@ -60,12 +123,18 @@ def init_distributed(
     master_port: int,
     backend: str | None = None,
     timeout_s: float = 120.0,
+    trace_prefix: str | None = None,
 ) -> DistContext:
-    """Join the default process group over TCP and return who we are."""
+    """Join the default process group over TCP and return who we are.
+
+    `timeout_s` bounds the rendezvous and every collective (NCCL's watchdog aborts a collective
+    that runs longer); `trace_prefix`: where NCCL's watchdog dumps the flight recorder on a timeout."""
     backend = backend or default_backend()
     device = default_device()
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # before the group: NCCL's communicator lives on the current device
+    if backend == "nccl" or trace_prefix:
+        enable_flight_recorder(trace_prefix)
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
@@ -73,6 +142,8 @@ def init_distributed(
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
+            # NCCL: bind the communicator to this GPU now (eager init) rather than at the first collective.
+            device_id=device if backend == "nccl" else None,
         )
     log.debug("rank %d/%d joined %s at %s:%d", rank, world_size, backend, master_addr, master_port)
     return DistContext(rank=rank, world_size=world_size, device=device, backend=backend)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 
 from training.model.transformer import Transformer
+from training.parallel.precision import fsdp_policy
 
 # Pipeline schedules that split backward into an input pass and a later weight pass. With them,
 # FSDP2's reshard_after_forward=True gives wrong weight gradients in torch 2.13 (the stage's
@@ -28,9 +29,8 @@ def reshard_after_forward(zero_stage: int, schedule: str) -> bool:
 
 
 def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, reshard_after_forward: bool,
-               device_type: str) -> None:
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if device_type == "cuda" else MixedPrecisionPolicy())
+               device_type: str, precision: str = "fp32") -> None:
+    mp = fsdp_policy(precision)  # training.parallel.precision: bf16 compute, fp32 sharded masters
     blocks = list(model.layers.values())
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)

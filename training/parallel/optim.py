@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,10 +69,18 @@ def build_optimizer(model_parts: list[nn.Module], layout: Layout, run_cfg: RunCo
                 seen.add(id(p))
                 params.append(p)
     o = run_cfg.optim
-    kwargs = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    kwargs: dict[str, Any] = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    if use_fused_adamw(params):
+        kwargs["fused"] = True  # one kernel per step on CUDA instead of a foreach chain
     if layout.zero_stage == 1 and dp_group is not None and dist.get_world_size(dp_group) > 1:
         return ShardedOptimizer(params, torch.optim.AdamW, process_group=dp_group, **kwargs)
     return torch.optim.AdamW(params, **kwargs)
+
+
+def use_fused_adamw(params: list[torch.Tensor]) -> bool:
+    """torch's fused AdamW applies: every parameter is a floating-point tensor on CUDA (fused=True
+    raises on CPU tensors, so a CPU run keeps the default foreach implementation)."""
+    return bool(params) and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
 
 
 @torch.no_grad()

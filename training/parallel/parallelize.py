@@ -2,6 +2,7 @@
 
     tensor parallel (+ sequence parallel)  ->  context parallel  ->  expert parallel
         ->  activation recomputation  ->  FSDP (ZeRO-2/3)  ->  materialise weights
+        ->  torch.compile (opt-in, in place: training.parallel.compile)
         ->  DDP (ZeRO-0/1; with expert parallel, DDP for the dense weights + expert reduction)
 
 Each technique lives in its own module (tensor, context, expert, recompute, fsdp, ddp; the optimizer,
@@ -40,10 +41,12 @@ from training.config.layout import Layout
 from training.config.run import RunConfig
 from training.config.validate import check_layout_for_model
 from training.model.transformer import Transformer
+from training.parallel.compile import apply_compile
 from training.parallel.ddp import apply_data_parallel
 from training.parallel.expert import ExpertDataParallel, apply_expert_parallel
 from training.parallel.fsdp import apply_fsdp, materialize, reshard_after_forward
 from training.parallel.mesh import ParallelDims
+from training.parallel.precision import MasterWeights, is_mixed
 from training.parallel.recompute import apply_recompute
 from training.parallel.tensor import align_grad_placements, apply_tensor_parallel
 
@@ -73,11 +76,16 @@ def parallelize(model: Transformer, layout: Layout, mesh: DeviceMesh | ParallelD
     replicas = layout.dp * layout.cp  # ranks holding the same dense weights
     if layout.zero_stage >= 2 and replicas > 1:
         apply_fsdp(model, dims.submesh("dp_cp"), reshard_after_forward(layout.zero_stage, layout.schedule),
-                   device_type=device.type)
+                   device_type=device.type, precision=run_cfg.precision)
     materialize(model, run_cfg.seed, device)
+    if is_mixed(run_cfg.precision) and not isinstance(model, FSDPModule):
+        # bf16 parameters before DDP builds its (then bf16) buckets; fp32 masters kept aside.
+        model.master_weights = MasterWeights(list(model.parameters()))  # type: ignore[assignment]
     if layout.tp > 1 and not isinstance(model, FSDPModule):
         # After materialising: to_empty() replaces meta parameters, dropping their hooks.
         align_grad_placements(model)
+    # In place: parameter names stay canonical (fingerprints, checkpoints). Not with TP (eager).
+    apply_compile(model, run_cfg.compile, run_cfg.compile_backend, layout.tp)
     if layout.ep > 1:
         return ExpertDataParallel(model, dims.group("dp_cp"), dims.group("edp"), replicas)
     if layout.zero_stage < 2 and replicas > 1:

@@ -83,9 +83,11 @@ class ShardedOptimizer(Optimizer):
         self._broadcast_plan: list[tuple[int, list[list[torch.Tensor]]]] | None = None
         self._inner_kwargs = kwargs
         # The outer groups carry every hyper-parameter (LR schedulers read and write them there);
-        # a probe instance gives the class's defaults for those the caller did not pass.
-        probe = optimizer_cls([torch.zeros(1, requires_grad=True)], **kwargs)
-        super().__init__(params, dict(probe.defaults))
+        # a probe instance gives the class's defaults for those the caller did not pass (a CPU probe:
+        # without `fused`, which refuses CPU tensors; the groups still carry the caller's value).
+        probe = optimizer_cls([torch.zeros(1, requires_grad=True)],
+                              **{k: v for k, v in kwargs.items() if k != "fused"})
+        super().__init__(params, {**probe.defaults, **kwargs})
 
     # -- partition ---------------------------------------------------------------------------
 
@@ -143,11 +145,17 @@ class ShardedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.step_owned()
+        self.broadcast_parameters()
+        return loss
+
+    @torch.no_grad()
+    def step_owned(self) -> None:
+        """Step this rank's shard only, without the broadcast (training.parallel.precision steps the
+        fp32 masters this way, then broadcasts the bf16 parameters)."""
         assert self.inner is not None
         self._sync_hyperparameters()
         self.inner.step()
-        self.broadcast_parameters()
-        return loss
 
     def broadcast_plan(self) -> list[tuple[int, list[list[torch.Tensor]]]]:
         """For each owner rank, its parameters' local tensors in chunks of one (dtype, device) and at

@@ -3,7 +3,7 @@
 `start_controller(job_id, run_cfg, ...)` creates `lattice-job-<id>` in namespace "lattice"
 (lifetime detached, so it outlives the service process). Its loop thread steps the
 `ControllerStateMachine` (workers.controller.machine); `poll`, `cancel`, `update_nodes`,
-`inject_fault`, `report` and `trigger` are served concurrently (max_concurrency). After a service
+`inject_fault`, `preempt`, `report` and `trigger` are served concurrently (max_concurrency). After a service
 restart the service finds it again with `get_controller(job_id)`. Rank actors and the placement
 group are owned by the controller, so they end with it.
 
@@ -21,6 +21,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from training.config.run import RunConfig
+from workers.controller import preempt
 from workers.controller.injection import kill_node
 from workers.controller.machine import ControllerStateMachine
 from workers.controller.options import ControllerOptions
@@ -63,6 +64,7 @@ class JobController:
             start_timeout_s=opts.start_timeout_s,
             poll_timeout_s=opts.rank_poll_timeout_s,
             rendezvous_timeout_s=opts.startup_timeout_s,
+            collective_timeout_s=opts.collective_timeout_s,
             train_fn=opts.train_fn,
             flops_per_token=opts.flops_per_token,
             env_vars=opts.env_vars,
@@ -114,6 +116,14 @@ class JobController:
 
     def update_nodes(self, health: Mapping[str, str], cordoned: Collection[str]) -> None:
         self._sm.update_nodes(health, cordoned)
+
+    def preempt(self, reason: str, grace_s: float = 120.0) -> bool:
+        """A preemption notice (workers.controller.preempt): checkpoint at the next step boundary,
+        stop, end PREEMPTED; False if the job is already ending or has a notice."""
+        with self._sm.log.lock:
+            sent = preempt.request(self._sm, reason, grace_s)
+        self._wake.set()
+        return sent
 
     def inject_fault(self, kind: str, rank: int | None = None, at_step: int = 0, **params: Any) -> None:
         """Add a fault (workers.faults spec) to the running job; raises FaultError for a bad spec."""

@@ -24,6 +24,7 @@ class Attempt:
     failed_since: float | None = None  # ranks failed while others were unresponsive, since
     restored_seen: bool = False  # the ranks' restore has been accounted for
     restored: int = 0  # the step the ranks restored (0: from scratch)
+    first_step: int | None = None  # the first step rank 0 reported in this attempt (perf warm-up)
 
     @classmethod
     def begin(cls, ranks: Collection[Any], now: float) -> Attempt:

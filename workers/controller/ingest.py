@@ -96,10 +96,13 @@ def _on_step(c: Controller, rank: int, ev: Mapping[str, Any]) -> None:
         times = c.books.straggler.step_times
         times.append(float(ev["step_time_s"]))
         del times[:-50]
+        _measure(c, step, ev)
     # Within an attempt steps only grow; a restart resumes from its checkpoint, so the progress may
     # step back to it.
     if isinstance(step, int) and step >= attempt.step:
         _progress(c, step, ev)
+    if isinstance(ev.get("memory"), Mapping):
+        _on_memory(c, rank, ev["memory"])
     if isinstance(step, int):
         attempt.markers[rank] = (step, 0)
         cfg = c.run_cfg.checkpoint
@@ -108,6 +111,35 @@ def _on_step(c: Controller, rank: int, ev: Mapping[str, Any]) -> None:
         due = (every and step % every == 0) or step == c.run_cfg.steps
         if ckpt_on and attempt.ckpt_open is None and due:
             attempt.ckpt_open = step
+
+
+def _measure(c: Controller, step: Any, ev: Mapping[str, Any]) -> None:
+    """Rank 0's step and phase times into the job's measured performance (warm-up per attempt)."""
+    if not isinstance(step, int):
+        return
+    attempt = c.attempt
+    if attempt.first_step is None:
+        attempt.first_step = step
+    phases = ev.get("phases") if isinstance(ev.get("phases"), Mapping) else None
+    if c.job.perf.record(step - attempt.first_step + 1, float(ev["step_time_s"]), phases):
+        c.job.progress["perf"] = c.job.perf.summary()
+
+
+def _on_memory(c: Controller, rank: int, account: Mapping[str, Any]) -> None:
+    """A rank's memory account (its first step): progress["memory"] keeps each rank's and, per term, the
+    largest (the plan's memory_per_gpu_bytes are the peak rank's); one event once every rank reported."""
+    doc = c.job.progress.setdefault("memory", {"ranks": {}})
+    doc["ranks"][str(rank)] = dict(account)
+    measured: dict[str, int] = {}
+    for r in doc["ranks"].values():
+        for t in ("params", "grads", "optimizer", "activations", "peak_allocated"):
+            if isinstance(r.get(t), int | float):
+                measured[t] = max(measured.get(t, 0), int(r[t]))
+    doc["measured"] = measured
+    if len(doc["ranks"]) == c.run_cfg.layout.world_size and not doc.get("reported"):
+        doc["reported"] = True
+        c.log.emit(EventKind.MEMORY, "memory per rank (peak rank): " + ", ".join(
+            f"{t} {v / 2**20:.1f} MiB" for t, v in doc["measured"].items()), **doc["measured"])
 
 
 def _progress(c: Controller, step: int, ev: Mapping[str, Any]) -> None:

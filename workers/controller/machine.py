@@ -20,7 +20,8 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from training.config.run import RunConfig
-from workers.controller import classify, detection, ingest
+from workers.collective_trace import annotate_hang
+from workers.controller import classify, detection, ingest, preempt
 from workers.controller.attempt import Attempt
 from workers.controller.attribution import Attributor, Referee
 from workers.controller.eventlog import EventLog
@@ -96,6 +97,7 @@ class ControllerStateMachine:
                                      referee=referee)
         self.injector = FaultInjector(opts.faults, worker_group, self.log, self.books.clock, self.scrubber,
                                       wall_clock, node_killer)
+        self.preemption: preempt.PreemptNotice | None = None  # a notice (workers.controller.preempt)
 
     # ---- the loop body ---------------------------------------------------------------------------
     def step(self) -> Transition | None:
@@ -111,6 +113,8 @@ class ControllerStateMachine:
             self.log.emit(EventKind.CANCELLED, reason)
             return self._to(ControllerState.CANCELLED, reason)
         try:
+            if self.preemption is not None and not self.state.training:
+                return preempt.stop_now(self)
             return self._handlers[self.state](self)
         except Exception as e:  # a controller bug must end the job, not hang it
             log.exception("job %s: controller error in %s", self.job_id, self.state)
@@ -262,6 +266,8 @@ class ControllerStateMachine:
             if failure.kind == FailureKind.STRAGGLER:
                 self.recovery.straggler = None
             return self._on_failure(failure)
+        if self.preemption is not None and (stopped := preempt.on_poll(self, status, now)) is not None:
+            return stopped
         if status.all_finished:
             result = self.job.result = ingest.final_result(self, status)
             self.wg.shutdown()
@@ -293,6 +299,9 @@ class ControllerStateMachine:
             for n in failure.nodes:
                 attributor.mark_node(n, failure)
             return None
+        if failure.kind == FailureKind.HANG:  # each rank's last collective, from its flight recorder
+            failure = annotate_hang(failure, self.run_cfg.checkpoint.dir,
+                                    range(self.run_cfg.layout.world_size), self.wg.dump_collectives)
         failure = classify.classify(failure, self.attempt, self.history)
         stalled = classify.note_progress(self.history, self.attempt)
         report = classify.rank_report(failure, self.attempt) or {}

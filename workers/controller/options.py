@@ -42,3 +42,10 @@ class ControllerOptions:
     straggler_action: str = "restart"  # "restart" (off its node) or "report"
     failure_grace_s: float = 5.0  # ranks failed while others are unresponsive: wait this long to blame
     referee: bool = True  # DP = 2 replicas disagreeing persistently: replay the step on a spare
+
+    @property
+    def collective_timeout_s(self) -> float:
+        """The ranks' process-group timeout (NCCL's watchdog): finite, and past every no-progress limit
+        above (hang, start-up, checkpoint), so that the controller finds and attributes a hang (and has
+        the ranks dump their flight recorders) before a watchdog aborts the ranks still waiting."""
+        return max(self.hang_timeout_s, self.startup_timeout_s, self.checkpoint_timeout_s) + 60.0

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.controller.perf import StepPerf
 from workers.fault_ledger import DataLedger, FaultClock, NodeLedger, StragglerWatch
 from workers.policies import Failure, FailurePolicy, ScalingPolicy
 
@@ -24,6 +25,7 @@ class JobRecord:
     traceback: str | None = None  # the failing rank's last traceback (bounded), once the job failed
     restarts: int = 0
     cancel_reason: str | None = None  # set by a cancel request, acted on by the loop
+    perf: StepPerf = field(default_factory=StepPerf)  # measured step and phase times (progress["perf"])
 
     @classmethod
     def new(cls, total_steps: int) -> JobRecord:

@@ -5,6 +5,7 @@
                v  |                  v (failure: policy says retry)
              WAITING              RECOVERING -> PLACING ...
     any non-terminal state -> CANCELLED (cancel) | ERRORED (policy gives up, internal error)
+                            | PREEMPTED (a preemption notice: the job goes back to the queue)
 
 A leaf of `workers`: it imports nothing else from the package.
 """
@@ -26,10 +27,12 @@ class ControllerState(enum.StrEnum):
     FINISHED = "FINISHED"
     ERRORED = "ERRORED"
     CANCELLED = "CANCELLED"
+    PREEMPTED = "PREEMPTED"  # stopped by a preemption notice; the service requeues the job
 
     @property
     def terminal(self) -> bool:
-        return self in (ControllerState.FINISHED, ControllerState.ERRORED, ControllerState.CANCELLED)
+        return self in (ControllerState.FINISHED, ControllerState.ERRORED, ControllerState.CANCELLED,
+                        ControllerState.PREEMPTED)
 
     @property
     def training(self) -> bool:
@@ -49,6 +52,7 @@ JOB_STATE: dict[ControllerState, str] = {
     ControllerState.FINISHED: "succeeded",
     ControllerState.ERRORED: "failed",
     ControllerState.CANCELLED: "cancelled",
+    ControllerState.PREEMPTED: "queued",  # back to the queue; it resumes from its checkpoint
 }
 
 

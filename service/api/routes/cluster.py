@@ -1,4 +1,4 @@
-"""/v1/cluster: racks, nodes, GPUs total/free and health; admin cordon/uncordon of a node.
+"""/v1/cluster: racks, nodes, GPUs total/free and health; admin cordon/uncordon/drain of a node.
 
 The live view comes from the scheduler (its last tick's topology of the Ray cluster, merged with
 the store's health ledger), so a request never calls Ray. Without a scheduler (an API-only
@@ -7,6 +7,7 @@ process) the nodes table is shown, without free-GPU counts.
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Annotated, Any, Literal, Protocol
 
 from fastapi import APIRouter, Path, Request
@@ -17,8 +18,10 @@ from service import store
 from service.api.deps import AdminPrincipal, CurrentPrincipal, ReadSessionDep, SessionDep, SettingsDep
 from service.api.problems import problem_responses
 from service.errors import Conflict, NotFound
+from service.store.leases import read_lease
 from service.store.models import Node, NodeHealth
 from service.store.nodes import ClusterLedger, uncordoned_health
+from service.store.profiles import profile_summaries
 from workers.topology import NodeInfo, Topology
 
 router = APIRouter(prefix="/v1/cluster", tags=["cluster"])
@@ -59,6 +62,14 @@ class RackPublic(BaseModel):
     gpus_free: int | None
 
 
+class SchedulerPublic(BaseModel):
+    leader: str | None = Field(
+        description="The acting scheduler process as 'host:pid' (null: none holds a running lease)."
+    )
+    since: dt.datetime | None = Field(description="When the current leader's term began.")
+    term: int = Field(description="The leader's term: +1 on every change of leader (0: never elected).")
+
+
 class ClusterPublic(BaseModel):
     source: Literal["live", "store"] = Field(
         description="live: the scheduler's view of the Ray cluster; store: the nodes table only."
@@ -70,6 +81,13 @@ class ClusterPublic(BaseModel):
     gpus_free: int | None
     gpus_schedulable: int | None
     links: dict[str, float] | None = Field(description="Bandwidth per GPU of each tier, GB/s.")
+    scheduler: SchedulerPublic = Field(description="The elected scheduler, from its lease in the store.")
+    profiles: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="The newest measured hardware profile of each node type (`lattice calibrate`): "
+        "node_type, version, created_at, matmul_tflops per dtype, memory_gbps, all_reduce {gbps, "
+        "latency_us}. Plans on a cluster of that node type use it.",
+    )
 
 
 def _live(request: Request) -> tuple[Topology | None, ClusterLedger | None]:
@@ -128,7 +146,17 @@ def get_cluster(
         gpus_free=free(nodes),
         gpus_schedulable=sum(n.gpus_free or 0 for n in nodes if n.schedulable) if has_live else None,
         links=dict(topology.to_dict()["links"]) if topology is not None else None,
+        scheduler=_scheduler(session),
+        profiles=profile_summaries(session),
     )
+
+
+def _scheduler(session: Session) -> SchedulerPublic:
+    lease = read_lease(session)
+    if lease is None:
+        return SchedulerPublic(leader=None, since=None, term=0)
+    leader = lease.current_holder()
+    return SchedulerPublic(leader=leader, since=lease.since if leader else None, term=lease.term)
 
 
 def _find_row(session: Session, request: Request, node_id: str) -> Node:
@@ -173,6 +201,20 @@ def cordon_node(node_id: NodeId, request: Request, session: SessionDep, admin: A
     return _set_cordon(request, session, node_id, True)
 
 
+@router.post("/nodes/{node_id}/drain", response_model=NodePublic, summary="Drain a node (admin)",
+             description="Cordon the node and send a preemption notice to every job with ranks on it: each "
+             "checkpoints at its next step boundary, goes back to the queue and resumes elsewhere from that "
+             "step (jobs with preemption.preemptible false are left alone). The node takes no new ranks "
+             "until uncordoned.",
+             responses=problem_responses(401, 403, 404, 409, 422))
+def drain_node(node_id: NodeId, request: Request, session: SessionDep, admin: AdminPrincipal) -> NodePublic:
+    node = _set_cordon(request, session, node_id, True)
+    scheduler: Any = getattr(request.app.state, "scheduler", None)
+    if scheduler is not None and hasattr(scheduler, "drain"):
+        scheduler.drain(node.id, f"drained by an admin of tenant {admin.tenant}")
+    return node
+
+
 @router.post("/nodes/{node_id}/uncordon", response_model=NodePublic, summary="Uncordon a node (admin)",
              description="A cordoned (or quarantined, after repair) node receives ranks again.",
              responses=problem_responses(401, 403, 404, 409, 422))
@@ -182,4 +224,4 @@ def uncordon_node(
     return _set_cordon(request, session, node_id, False)
 
 
-__all__ = ["ClusterPublic", "NodePublic", "RackPublic", "router"]
+__all__ = ["ClusterPublic", "NodePublic", "RackPublic", "SchedulerPublic", "router"]

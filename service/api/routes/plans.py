@@ -4,7 +4,9 @@ Thin: the body becomes a ModelSpec / TrainSpec / ClusterSpec (and the given layo
 service.planner.plan_layout answers with a Plan, as for a job's `parallelism`. Errors:
   - a body that does not match the schema -> FastAPI's RequestValidationError (422);
   - values the planner rejects (unknown GPU or preset, heads not divisible, a model that fits
-    nowhere, an impossible layout) -> HTTPException(422, detail="<field>: <what is allowed>").
+    nowhere, an impossible layout) -> HTTPException(422, detail="<field>: <what is allowed>");
+  - a search over its CPU budget -> 422 "search too large" naming the layout fields to pin.
+The search runs in the planning process pool (service.api.planning).
 The router carries no auth dependency: the app mounts it with its own (`include_router(router,
 dependencies=[...])`).
 """
@@ -12,12 +14,16 @@ dependencies=[...])`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import fastapi
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.api.planning import CpuBudgetExceeded, plan_pool_for, search_too_large
 from service.planner import ClusterSpec, LayoutRefused, PlannerError, TrainSpec, get_preset, plan_layout
+from service.planner.efficiency import HardwareProfile
+from service.store.profiles import newest_profiles
+from training.config.hardware import find_gpu
 from training.config.layout import LayoutError
 from training.config.spec import ModelSpec, SpecError
 
@@ -80,7 +86,7 @@ class PlanRequest(BaseModel):
     model: ModelIn
     global_batch: int = Field(..., ge=1, le=1 << 24, description="sequences per optimizer step")
     seq_len: int | None = Field(None, ge=1, le=1 << 24, description="defaults to model.seq_len")
-    precision: Literal["bf16_fp32_adam", "bf16_fp32_master"] = "bf16_fp32_adam"
+    precision: Literal["fp32", "bf16_fp32_adam", "bf16_fp32_master"] = "bf16_fp32_adam"
     cluster: ClusterIn
     zero_stages: list[int] | None = Field(
         None, min_length=1, max_length=4, description="stages the search may use"
@@ -108,24 +114,59 @@ def build_model(body: ModelIn) -> ModelSpec:
     return ModelSpec(**fields)
 
 
-def plan_from_request(body: PlanRequest) -> dict[str, Any]:
-    """The Plan dict for a request; raises PlannerError / SpecError / LayoutError on bad values."""
+def plan_from_request(body: PlanRequest, profile: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Plan dict for a request (with the measured `profile` document of its GPU type, if any);
+    raises PlannerError / SpecError / LayoutError on bad values."""
     model = build_model(body.model)
     train = TrainSpec(
         global_batch=body.global_batch, seq_len=body.seq_len or model.seq_len, precision=body.precision
     )
     c = body.cluster
-    cluster = ClusterSpec(c.gpu_type, c.num_gpus, c.gpus_per_node, c.nodes_per_rack, c.oversubscription)
+    measured = HardwareProfile.from_dict(profile) if profile is not None else None
+    cluster = ClusterSpec(
+        c.gpu_type, c.num_gpus, c.gpus_per_node, c.nodes_per_rack, c.oversubscription, profile=measured
+    )
     given = body.layout.model_dump(exclude_none=True) if body.layout is not None else None
     zero_stages = tuple(body.zero_stages) if body.zero_stages is not None else (0, 1, 2, 3)
     return plan_layout(model, train, cluster, given, zero_stages=zero_stages, top_k=body.top_k).to_dict()
 
 
-@router.post("/v1/plans", summary="Plan a parallel layout (or evaluate one) for a model on a cluster")
-def create_plan(body: PlanRequest) -> dict[str, Any]:
+def plan_outcome(body: PlanRequest, profile: dict[str, Any] | None = None) -> tuple[bool, Any]:
+    """In a planning worker process: (True, the Plan dict) or (False, the 422 detail)."""
     try:
-        return plan_from_request(body)
+        return True, plan_from_request(body, profile)
     except LayoutRefused as e:
-        raise fastapi.HTTPException(status_code=422, detail=f"layout: {e}") from e
+        return False, f"layout: {e}"
     except (PlannerError, SpecError, LayoutError) as e:
-        raise fastapi.HTTPException(status_code=422, detail=str(e)) from e
+        return False, str(e)
+
+
+def _profiles(request: fastapi.Request) -> dict[str, Any]:
+    """node type -> the newest measured profile document (a sync dependency: read in a worker thread);
+    empty for an app without a store (a planning-only app)."""
+    factory = getattr(request.app.state, "read_session_factory", None)
+    if factory is None:
+        return {}
+    with factory() as session:
+        return {k: p.to_dict() for k, p in newest_profiles(session).items()}
+
+
+@router.post("/v1/plans", summary="Plan a parallel layout (or evaluate one) for a model on a cluster")
+async def create_plan(
+    body: PlanRequest,
+    request: fastapi.Request,
+    profiles: Annotated[dict[str, Any], fastapi.Depends(_profiles)],
+) -> dict[str, Any]:
+    """The search runs in the planning pool (service.api.planning), never on the event loop. A GPU type
+    with a measured profile (`lattice calibrate`) is planned with its newest one."""
+    pool = plan_pool_for(request.app.state)
+    gpu = find_gpu(body.cluster.gpu_type)
+    profile = profiles.get(gpu.name) if gpu is not None else None
+    try:
+        ok, value = await pool.run(plan_outcome, body, profile)
+    except CpuBudgetExceeded as e:
+        given = body.layout.model_dump(exclude_none=True) if body.layout is not None else {}
+        raise search_too_large(pool.cpu_budget_s, given) from e
+    if not ok:
+        raise fastapi.HTTPException(status_code=422, detail=value)
+    return value

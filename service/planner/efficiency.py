@@ -1,0 +1,269 @@
+"""Achieved compute and link speed as functions of shape: the planner's efficiency curves (pure Python).
+
+A matmul's time comes from its (m, n, k), attention's from its sequence length and head size, a
+collective's from its message size. The curves come either from a measured `HardwareProfile`
+(`lattice calibrate`, training/calibration) or from the catalogued curve of a built-in GPU type.
+docs/planner.md ("Efficiency curves") gives the model and its sources.
+
+    profile = HardwareProfile.from_dict(doc)        # a stored profile (service.store.profiles)
+    eff = Efficiency.for_gpu(gpu, profile)          # or Efficiency.for_gpu(gpu) for the catalogue
+    eff.matmul_time(4096, 4096, 4096)               # seconds
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from training.config.hardware import GpuType
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
+
+
+@dataclass(frozen=True)
+class CatalogCurve:
+    """Parametric curves of a built-in GPU type (no measurement).
+
+    matmul: rate(F) = peak * mm_max * F / (F + mm_half_flops), capped by the roofline I * hbm_bw;
+    attention: rate(s) = peak * attn_max * s / (s + attn_half_seq).
+    """
+
+    mm_max: float
+    mm_half_flops: float
+    attn_max: float
+    attn_half_seq: float
+
+
+# Large dense bf16 GEMMs reach ~75-85% of peak on A100 (NVIDIA "Matrix Multiplication Background"
+# performance guide, A100 GEMM sweeps) and sustain ~650-700 of 989 TFLOP/s on H100/H200 at 700 W; e_max
+# is set inside those ranges once for all rows of bench/planner_accuracy.py (docs/planner.md). A
+# half-rate size of ~1.5e9 FLOPs is a ~10 us fixed cost per kernel (launch + tail wave). Flash
+# attention fwd+bwd: ~55% of peak on A100 at head dim 128 (Dao 2023, FlashAttention-2, Fig. 5), ~45% on
+# H100 without FA3 (same paper, H100 figure), half rate near 512 tokens.
+_DATACENTER = {
+    "A100": CatalogCurve(0.74, 1.5e9, 0.55, 512.0),
+    "H100": CatalogCurve(0.68, 3.0e9, 0.45, 512.0),
+    "H200": CatalogCurve(0.68, 3.0e9, 0.45, 512.0),
+    "B200": CatalogCurve(0.70, 6.0e9, 0.45, 512.0),
+}
+
+# Memory-bound (elementwise) traffic per token per layer, forward + backward, in units of
+# hidden * activation bytes: LayerNorm x2, dropout x2, residual x2 and bias adds each read and write
+# the (b, s, h) activation forward and about twice that backward (~5 passes per op, ~8 ops), replicated
+# over TP ranks unless sequence parallel (Korthikanti et al. 2022, Sec. 4.2.2 counts the same ops);
+# the MLP activation function touches (b, s, ffn/tp) about as often.
+ELEMENTWISE_PASSES_HIDDEN = 40.0
+ELEMENTWISE_PASSES_FFN = 5.0
+# Ops one transformer block runs per micro-batch, forward + backward: ~65 forward ops and ~80 autograd
+# nodes per block of training/model/transformer.py (counted with torch.profiler and the autograd graph).
+LAYER_OPS = 150
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """What `lattice calibrate` measured on one node type; `version` increases per node type."""
+
+    node_type: str
+    version: int
+    compute_dtype: str  # the dtype the trainer computes in on this node type ("fp32" on CPU, "bf16" on GPU)
+    matmul: Mapping[str, Sequence[tuple[int, int, int, float]]]  # dtype -> [(m, n, k, FLOP/s)]
+    attention: Sequence[tuple[int, int, float]] = ()  # [(seq_len, head_dim, FLOP/s fwd+bwd)]
+    memory_bw: float = 0.0  # bytes/s, large device-to-device copy (read + write)
+    op_overhead_s: float = 0.0  # fixed cost per op forward + backward (dispatch, autograd, launch)
+    collectives: Mapping[str, Sequence[tuple[float, float]]] = field(
+        default_factory=dict
+    )  # kind -> [(bytes, s)]
+    ranks: int = 2  # ranks of the collective measurement (intra-node)
+    backend: str = ""
+    meta: Mapping[str, Any] = field(default_factory=dict)  # device name, threads, seconds taken
+
+    @property
+    def ref(self) -> dict[str, Any]:
+        """What a plan records about the profile it used."""
+        return {"node_type": self.node_type, "version": self.version}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node_type": self.node_type,
+            "version": self.version,
+            "compute_dtype": self.compute_dtype,
+            "matmul": {d: [list(p) for p in pts] for d, pts in self.matmul.items()},
+            "attention": [list(p) for p in self.attention],
+            "memory_bw": self.memory_bw,
+            "op_overhead_s": self.op_overhead_s,
+            "collectives": {k: [list(p) for p in pts] for k, pts in self.collectives.items()},
+            "ranks": self.ranks,
+            "backend": self.backend,
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> HardwareProfile:
+        """A profile from its stored JSON; ValueError naming the field when malformed."""
+        try:
+            matmul = {str(d): [(int(a), int(b), int(c), float(r)) for a, b, c, r in pts]
+                      for d, pts in doc["matmul"].items()}  # fmt: skip
+            attention = [(int(s), int(hd), float(r)) for s, hd, r in doc.get("attention", [])]
+            coll = {
+                str(k): [(float(b), float(t)) for b, t in pts]
+                for k, pts in doc.get("collectives", {}).items()
+            }
+            dtype = str(doc.get("compute_dtype") or next(iter(matmul), "fp32"))
+            if dtype not in matmul:
+                raise ValueError(f"compute_dtype {dtype!r} has no matmul measurements")
+            return cls(
+                node_type=str(doc["node_type"]), version=int(doc.get("version", 0)), compute_dtype=dtype,
+                matmul=matmul, attention=attention, memory_bw=float(doc.get("memory_bw", 0.0)),
+                op_overhead_s=float(doc.get("op_overhead_s", 0.0)),
+                collectives=coll, ranks=int(doc.get("ranks", 2)), backend=str(doc.get("backend", "")),
+                meta=dict(doc.get("meta", {})),
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"profile: malformed hardware profile ({e})") from e
+
+
+class MonotoneCurve:
+    """Piecewise-linear y(log x) through measured points made non-decreasing by isotonic regression
+    (pool adjacent violators, Barlow et al. 1972: a bigger problem never runs slower per FLOP than a
+    smaller one; noise between neighbours is averaged, not kept at its maximum); flat beyond both ends."""
+
+    def __init__(self, points: Sequence[tuple[float, float]]) -> None:
+        pts = sorted((float(x), float(y)) for x, y in points if x > 0 and y > 0)
+        if not pts:
+            raise ValueError("a curve needs at least one positive point")
+        self.xs = [math.log(x) for x, _ in pts]
+        blocks: list[list[float]] = []  # [sum, count]
+        for _, y in pts:
+            blocks.append([y, 1.0])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                total, count = blocks.pop()
+                blocks[-1][0] += total
+                blocks[-1][1] += count
+        self.ys = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+
+    def __call__(self, x: float) -> float:
+        lx = math.log(max(x, 1e-300))
+        i = bisect.bisect_right(self.xs, lx)
+        if i == 0:
+            return self.ys[0]
+        if i == len(self.xs):
+            return self.ys[-1]
+        x0, x1, y0, y1 = self.xs[i - 1], self.xs[i], self.ys[i - 1], self.ys[i]
+        return y0 + (y1 - y0) * (lx - x0) / (x1 - x0) if x1 > x0 else y1
+
+
+def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of t = alpha + bytes / beta by least squares (Hockney 1994)."""
+    pts = [(b, t) for b, t in points if b > 0 and t > 0]
+    if not pts:
+        raise ValueError("no collective measurements")
+    if len(pts) == 1:
+        return 0.0, pts[0][0] / pts[0][1]
+    n = len(pts)
+    mx, my = sum(b for b, _ in pts) / n, sum(t for _, t in pts) / n
+    sxx = sum((b - mx) ** 2 for b, _ in pts)
+    slope = sum((b - mx) * (t - my) for b, t in pts) / sxx if sxx > 0 else 0.0
+    if slope <= 0:  # noise: all messages cost the same, take the biggest's rate
+        b, t = max(pts)
+        return 0.0, b / t
+    alpha = max(0.0, my - slope * mx)
+    return alpha, 1.0 / slope
+
+
+class Efficiency:
+    """Time of matmuls, attention and elementwise work on one GPU type (measured or catalogued)."""
+
+    def __init__(self, gpu: GpuType, profile: HardwareProfile | None = None, ranks_per_host: int = 1) -> None:
+        self.gpu, self.profile = gpu, profile
+        # CPU ranks run ops synchronously and share the calibrated host's cores (the embedded cluster runs
+        # every rank there): `share` slows compute when ranks x threads exceed the cores.
+        on_cpu = profile is not None and str(profile.meta.get("device", "")) == "cpu"
+        self.synchronous = on_cpu
+        threads = int(profile.meta.get("threads", 1)) if profile is not None else 1
+        cores = int(profile.meta.get("cores", 0) or 0) if profile is not None else 0
+        self.share = max(1.0, ranks_per_host * threads / cores) if on_cpu and cores > 0 else 1.0
+        self.op_overhead = profile.op_overhead_s if profile is not None else 0.0
+        self.peak = gpu.peak_flops
+        self.hbm_bw = profile.memory_bw if profile is not None and profile.memory_bw > 0 else gpu.hbm_bw
+        family = next((k for k in _DATACENTER if gpu.name.upper().startswith(k)), None)
+        # A type without a catalogued curve (the embedded CPU cluster): its one constant at every size.
+        flat = CatalogCurve(gpu.compute_efficiency, 0.0, gpu.compute_efficiency, 0.0)
+        self.curve = _DATACENTER[family] if family else flat
+        self._mm: MonotoneCurve | None = None
+        self._attn: dict[int, MonotoneCurve] = {}
+        if profile is not None:
+            pts = profile.matmul[profile.compute_dtype]
+            self._mm = MonotoneCurve([(2.0 * m * n * k, r) for m, n, k, r in pts])
+            by_hd: dict[int, list[tuple[float, float]]] = {}
+            for s, hd, r in profile.attention:
+                by_hd.setdefault(hd, []).append((float(s), r))
+            self._attn = {hd: MonotoneCurve(p) for hd, p in by_hd.items()}
+            # MFU's denominator: a measured rate above the catalogue's peak means the catalogue's figure
+            # is nominal (cpu-virtual), so the best measured rate takes its place.
+            self.peak = max(self.peak, max(r for *_, r in pts))
+        self._cache: dict[tuple[int, int, int], float] = {}
+
+    @classmethod
+    def for_gpu(
+        cls, gpu: GpuType, profile: HardwareProfile | None = None, ranks_per_host: int = 1
+    ) -> Efficiency:
+        return cls(gpu, profile, ranks_per_host)
+
+    def ops_time(self, busy_s: float, ops: int = LAYER_OPS) -> float:
+        """Time `ops` ops take beyond their arithmetic `busy_s`: on CPU every op's fixed cost adds (eager
+        ops run synchronously); on a GPU launches are asynchronous and only the part of the host's
+        dispatch time longer than the kernels shows. Catalogued GPUs: 0 (their F_half covers it)."""
+        fixed = ops * self.op_overhead
+        return fixed if self.synchronous else max(0.0, fixed - busy_s)
+
+    def matmul_rate(self, m: int, n: int, k: int) -> float:
+        """Achieved FLOP/s of one (m, k) x (k, n) matmul."""
+        flops = 2.0 * m * n * k
+        if self._mm is not None:
+            return self._mm(flops)
+        c = self.curve
+        rate = self.peak * c.mm_max * flops / (flops + c.mm_half_flops)
+        # Roofline: bf16 operands and result once through HBM (Williams et al. 2009).
+        intensity = flops / (2.0 * (m * k + k * n + m * n))
+        return min(rate, intensity * self.hbm_bw)
+
+    def matmul_time(self, m: int, n: int, k: int) -> float:
+        key = (m, n, k)
+        t = self._cache.get(key)
+        if t is None:
+            t = self._cache[key] = self.share * 2.0 * m * n * k / self.matmul_rate(m, n, k)
+        return t
+
+    def attention_rate(self, seq: int, head_dim: int) -> float:
+        """Achieved FLOP/s of the attention core (QK^T, softmax, AV) forward + backward."""
+        if self._attn:
+            hd = min(self._attn, key=lambda d: (abs(d - head_dim), d))
+            return self._attn[hd](seq) / self.share
+        if self._mm is not None:  # measured matmuls but no attention: its matmuls at that size
+            return self._mm(2.0 * seq * seq * head_dim) / self.share
+        c = self.curve
+        return self.peak * c.attn_max * seq / (seq + c.attn_half_seq)
+
+    def elementwise_time(
+        self, tokens: float, hidden_local: float, ffn_local: float, act_bytes: int = 2
+    ) -> float:
+        """Memory-bound work of one layer, forward + backward (see ELEMENTWISE_PASSES_*)."""
+        nbytes = (
+            tokens
+            * act_bytes
+            * (ELEMENTWISE_PASSES_HIDDEN * hidden_local + ELEMENTWISE_PASSES_FFN * ffn_local)
+        )
+        return nbytes / self.hbm_bw
+
+    def link(self, default_bw: float, default_latency: float) -> tuple[float, float]:
+        """(bandwidth, latency per hop) of the intra-node tier: measured all-reduce (bus bandwidth of a
+        ring, Hockney fit over message sizes) when profiled, else the catalogue's."""
+        if self.profile is None or not self.profile.collectives.get("all_reduce"):
+            return default_bw, default_latency
+        n = max(2, self.profile.ranks)
+        alpha, beta = fit_alpha_beta(self.profile.collectives["all_reduce"])
+        # A ring all-reduce sends 2(n-1)/n of the message in 2(n-1) hops (Patarasuk & Yuan 2009).
+        return beta * 2 * (n - 1) / n, alpha / (2 * (n - 1))

@@ -1,0 +1,76 @@
+"""The request path's transactions (issue 14 item 5): a read never takes SQLite's write lock (no
+`BEGIN IMMEDIATE`) and a GET never commits (on PostgreSQL a commit is a round trip and a WAL
+flush); a submit takes the write lock once, for its write, not for its idempotency lookup, its
+policy check or while it plans."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine, event
+
+from tests.api.conftest import bearer
+
+SPEC = {
+    "name": "path",
+    "model": {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 32},
+    "train": {"steps": 10, "global_batch": 4},
+    "parallelism": {"tp": 2, "dp": 2, "num_microbatches": 2},
+}
+
+
+@contextmanager
+def statements(engine: Engine) -> Iterator[Counter[str]]:
+    seen: Counter[str] = Counter()
+
+    def on_execute(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        words = statement.split()
+        seen[" ".join(words[:2]).upper() if words[:1] == ["BEGIN"] else words[0].upper()] += 1
+
+    def on_commit(conn: Any) -> None:
+        seen["COMMIT"] += 1
+
+    event.listen(engine, "before_cursor_execute", on_execute)
+    event.listen(engine, "commit", on_commit)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", on_execute)
+        event.remove(engine, "commit", on_commit)
+
+
+def test_a_get_reads_without_the_write_lock_and_never_commits(client: TestClient, db_engine: Engine,
+                                                               tokens: dict[str, str]) -> None:
+    auth = bearer(tokens["a"])
+    job = client.post("/v1/jobs", json=SPEC, headers=auth).json()
+    client.get(f"/v1/jobs/{job['id']}", headers=auth)  # the token's use is recorded (a write) at most once
+    with statements(db_engine) as seen:
+        for _ in range(3):
+            r = client.get(f"/v1/jobs/{job['id']}", headers=auth)
+            assert r.status_code == 200 and r.json()["id"] == job["id"]
+        listed = client.get("/v1/jobs", headers=auth)
+        assert listed.status_code == 200 and [j["id"] for j in listed.json()["items"]] == [job["id"]]
+    assert seen["SELECT"] >= 4
+    assert seen["BEGIN IMMEDIATE"] == 0, seen
+    assert seen["COMMIT"] == 0, seen
+    assert seen["INSERT"] == seen["UPDATE"] == 0, seen
+
+
+def test_a_submit_takes_the_write_lock_once(client: TestClient, db_engine: Engine,
+                                            tokens: dict[str, str]) -> None:
+    auth = bearer(tokens["a"])
+    client.get("/v1/jobs", headers=auth)  # record the token's use first (a write of its own)
+    with statements(db_engine) as seen:
+        r = client.post("/v1/jobs", json=SPEC, headers=auth | {"Idempotency-Key": "k-1"})
+        assert r.status_code == 201, r.text
+    if db_engine.dialect.name == "sqlite":
+        assert seen["BEGIN IMMEDIATE"] == 1, seen  # the job, its event and the key, in one transaction
+    assert seen["INSERT"] >= 2  # the job and its first event at least
+    with statements(db_engine) as seen:
+        again = client.post("/v1/jobs", json=SPEC, headers=auth | {"Idempotency-Key": "k-1"})
+    assert again.status_code == 200 and again.json()["id"] == r.json()["id"]  # the replay
+    assert seen["BEGIN IMMEDIATE"] == 0 and seen["INSERT"] == 0, seen  # a replay only reads

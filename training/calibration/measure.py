@@ -1,0 +1,238 @@
+"""The measurements of a hardware profile (compute on this process's device, collectives on 2 ranks).
+
+Every figure is the median of a few timed repeats after one warm-up; GPU timings synchronise the device
+around each repeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from training.parallel.dist import default_backend, default_device, free_port, init_distributed, shutdown
+
+log = logging.getLogger(__name__)
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What to measure: matmul sizes (m = n = k, plus the transformer-like (s, h, 4h) shapes), attention
+    sequence lengths and head dims, collective message sizes, and the repeats of each."""
+
+    matmul_sizes: Sequence[int] = (64, 128, 256, 512, 1024, 2048)
+    attention_seqs: Sequence[int] = (64, 128, 256, 512, 1024)
+    head_dims: Sequence[int] = (16, 64, 128)
+    message_bytes: Sequence[int] = (4 << 10, 256 << 10, 4 << 20)
+    copy_bytes: int = 64 << 20
+    repeats: int = 3
+    collectives: bool = True
+
+    @classmethod
+    def quick(cls) -> Grid:
+        """A reduced grid for tests (a second or two without collectives)."""
+        return cls(matmul_sizes=(32, 64, 128), attention_seqs=(64, 128), head_dims=(32,),
+                   message_bytes=(4 << 10, 64 << 10), copy_bytes=4 << 20, repeats=2)  # fmt: skip
+
+
+def _best_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median seconds of `repeats` timed calls after one warm-up: on a shared host the median is what a
+    rank gets; the minimum would keep only the quiet moments."""
+    fn()  # warm-up (allocations, kernel selection)
+    times = []
+    for _ in range(max(1, repeats)):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return max(statistics.median(times), 1e-9)
+
+
+def _dtypes(device: torch.device) -> list[tuple[str, torch.dtype]]:
+    out = [("fp32", torch.float32)]
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        out.append(("bf16", torch.bfloat16))
+    return out
+
+
+def measure_matmul(grid: Grid, device: torch.device) -> dict[str, list[list[float]]]:
+    """dtype -> [(m, n, k, achieved FLOP/s)] over square sizes and (s, h, 4h)-like rectangles."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    shapes = [(s, s, s) for s in grid.matmul_sizes]
+    shapes += [(2 * s, 4 * s, s) for s in grid.matmul_sizes[:-1]]
+    out: dict[str, list[list[float]]] = {}
+    for name, dtype in _dtypes(device):
+        pts: list[list[float]] = []
+        for m, n, k in shapes:
+            a = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+            b = torch.randn(k, n, generator=gen).to(device=device, dtype=dtype)
+            # Enough matmuls per timing to last ~1 ms on a fast device.
+            inner = max(1, min(64, int(2e9 / (2.0 * m * n * k) if device.type == "cuda" else 1)))
+            t = _best_time(lambda a=a, b=b, inner=inner: [a @ b for _ in range(inner)], device, grid.repeats)
+            pts.append([m, n, k, 2.0 * m * n * k * inner / t])
+        out[name] = pts
+    return out
+
+
+def measure_attention(grid: Grid, device: torch.device, dtype: torch.dtype) -> list[list[float]]:
+    """[(seq, head_dim, achieved FLOP/s of causal SDPA forward + backward)]: the work done, 12*s*d per
+    query per head (PaLM, Appendix B) halved for the causal mask (Dao 2023, FlashAttention-2, Sec. 4.1)."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    heads = 4
+    pts: list[list[float]] = []
+    for hd in grid.head_dims:
+        for s in grid.attention_seqs:
+            shape = (1, heads, s, hd)
+            q, k, v = (torch.randn(shape, generator=gen).to(device, dtype).requires_grad_() for _ in range(3))
+
+            def step(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> None:
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+            t = _best_time(step, device, grid.repeats)
+            pts.append([s, hd, 6.0 * s * s * hd * heads / t])
+    return pts
+
+
+def measure_memory_bw(grid: Grid, device: torch.device) -> float:
+    """Bytes/s of a large tensor copy (read + write counted, as STREAM's copy does; McCalpin 1995)."""
+    src = torch.ones(grid.copy_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    t = _best_time(lambda: dst.copy_(src), device, grid.repeats)
+    return 2.0 * grid.copy_bytes / t
+
+
+def _collective_ops(rank: int, x: torch.Tensor, world: int) -> dict[str, Callable[[], Any]]:
+    """One call of each collective on `x` (gloo and NCCL both implement all five in torch 2.x)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(world)]
+    chunk = torch.empty(x.numel() // world, device=x.device)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in 2.1x
+
+    def send_recv() -> None:
+        dist.send(x, 1) if rank == 0 else dist.recv(x, 0) if rank == 1 else None
+
+    return {
+        "all_reduce": lambda: dist.all_reduce(x),
+        "all_gather": lambda: dist.all_gather(parts, x),
+        "reduce_scatter": lambda: scatter(chunk, x),
+        "send_recv": send_recv,
+        "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(x), x),
+    }
+
+
+def _collective_rank(rank: int, world: int, port: int, grid: Grid, queue: Any) -> None:
+    try:
+        os.environ["LOCAL_RANK"] = str(rank)
+        torch.set_num_threads(1)
+        backend = default_backend()
+        if backend == "nccl" and torch.cuda.device_count() < world:
+            backend = "gloo"
+        init_distributed(rank, world, "127.0.0.1", port, backend=backend, timeout_s=60)
+        device = default_device() if backend == "nccl" else torch.device("cpu")
+        import torch.distributed as dist
+
+        out: dict[str, list[list[float]]] = {k: [] for k in COLLECTIVES}
+        for nbytes in grid.message_bytes:
+            x = torch.ones(nbytes // 4, device=device)
+            ops = _collective_ops(rank, x, world)
+            for name, op in ops.items():
+                dist.barrier()
+                out[name].append([float(nbytes), _best_time(op, device, grid.repeats)])
+        queue.put((rank, True, {"backend": backend, "collectives": out}))
+    except BaseException:  # noqa: BLE001 - the parent reports any failure of a rank
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def measure_collectives(grid: Grid, world: int = 2, timeout_s: float = 60.0) -> dict[str, Any]:
+    """{backend, collectives: kind -> [(bytes, seconds)]} between `world` ranks spawned on this node."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_collective_rank, args=(r, world, port, grid, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, ok, payload = queue.get(timeout=timeout_s)
+            if not ok:
+                raise RuntimeError(f"calibration rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return results[0]
+
+
+def measure_op_overhead(device: torch.device, repeats: int, ops: int = 64) -> float:
+    """Seconds of fixed cost per op forward + backward (dispatch, autograd, launch) on a tensor too
+    small for its arithmetic to count."""
+    x = torch.ones(8, device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(ops):
+            y = y * 1.0001
+        y.sum().backward()
+
+    return _best_time(chain, device, repeats) / ops
+
+
+def rank_threads() -> int:
+    """Threads one rank computes with on CPU: what the worker group gives it (OMP_NUM_THREADS, set to 1
+    by workers/worker_group.py), so the profile measures what a rank achieves."""
+    return max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
+def calibrate(node_type: str, grid: Grid | None = None) -> dict[str, Any]:
+    """The hardware profile document of this machine for `node_type` (version 0: the store numbers it)."""
+    grid = grid or Grid()
+    t0 = time.perf_counter()
+    device = default_device()
+    threads_before = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(rank_threads())
+    try:
+        matmul = measure_matmul(grid, device)
+        compute_dtype = "bf16" if "bf16" in matmul else "fp32"
+        dtype = torch.bfloat16 if compute_dtype == "bf16" else torch.float32
+        doc: dict[str, Any] = {
+            "node_type": node_type, "version": 0, "compute_dtype": compute_dtype, "matmul": matmul,
+            "attention": measure_attention(grid, device, dtype), "memory_bw": measure_memory_bw(grid, device),
+            "op_overhead_s": measure_op_overhead(device, grid.repeats), "collectives": {}, "ranks": 2,
+            "backend": "",
+        }  # fmt: skip
+        threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads_before)
+    # Two local ranks need two devices on a GPU node (NCCL); with one GPU the catalogue's links stay.
+    if grid.collectives and (device.type == "cpu" or torch.cuda.device_count() >= 2):
+        coll = measure_collectives(grid)
+        doc["collectives"], doc["backend"] = coll["collectives"], coll["backend"]
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    doc["meta"] = {"device": device_name, "threads": threads, "cores": os.cpu_count() or 1,
+                   "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 3)}  # fmt: skip
+    log.info("calibrated %s on %s in %.1f s", node_type, device_name, doc["meta"]["seconds"])
+    return doc
