@@ -118,6 +118,11 @@ class Settings(BaseSettings):
         False, description="A queued job that does not fit preempts running jobs of lower priority (they "
         "checkpoint at the next step and requeue; docs/fault_tolerance.md). Off: it waits, as before.",
     )
+    reclaim_borrowed: bool = Field(
+        True, description="A queued job within its tenant's GPU quota that does not fit preempts other "
+        "tenants' jobs running on borrowed GPUs beyond their quotas, whatever their priority (lending is "
+        "only safe if it can be taken back). Off: it waits for them to end.",
+    )
     preempt_notice_dir: Path | None = Field(
         None,
         description="Where a node agent writes a cloud preemption notice (a file named after the node): the "

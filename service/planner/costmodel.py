@@ -226,14 +226,17 @@ class Stage:
             ar = _collective("all_reduce", grad, n, fam.dp_tier, self.layers)
             rs = _collective("reduce_scatter", grad, n, fam.dp_tier, self.layers)
             ag = _collective("all_gather", weights, n, fam.dp_tier, self.layers)
+            # FSDP2 (ZeRO-2/3) reduce-scatters in fp32 (training/parallel/precision.fsdp_policy, torchtitan's
+            # default); our own DDP/ZeRO-1 reduce in the gradients' dtype.
+            rs32 = _collective("reduce_scatter", max(bpp[1], 4) * params, n, fam.dp_tier, self.layers)
             # ZeRO-0: all-reduce once; ZeRO-1: reduce-scatter + all-gather once (same bytes, lecture 18:47);
             # ZeRO-2: reduce-scatter every micro-batch (grads stay sharded) + all-gather once;
             # ZeRO-3: all-gather forward and backward + reduce-scatter, every micro-batch (3x params).
             per_zero = (  # (once per step, every micro-batch) for ZeRO 0, 1, 2, 3
                 (ar, None),
                 ((rs[0] + ag[0], rs[1] + ag[1]), None),
-                (ag, rs),
-                (None, (2 * ag[0] + rs[0], 2 * ag[1] + rs[1])),
+                (ag, rs32),
+                (None, (2 * ag[0] + rs32[0], 2 * ag[1] + rs32[1])),
             )
             for z, (o, p) in enumerate(per_zero):
                 if o is not None:

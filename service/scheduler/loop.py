@@ -338,9 +338,11 @@ class Scheduler:
                 continue
             try:
                 intended = place(q.layout, view)
-            except PlacementError as e:  # lower-priority jobs may make room (service.scheduler.notices)
-                room = self._preemptor.make_room(q.job_id, q.layout, topology, self._attached) \
-                    if self.settings.preempt_for_priority else None
+            except PlacementError as e:  # lent GPUs or lower-priority jobs may make room (scheduler.notices)
+                room = self._preemptor.make_room(
+                    q.job_id, q.layout, topology, self._attached,
+                    for_priority=self.settings.preempt_for_priority,
+                    reclaim=self.settings.reclaim_borrowed and not q.decision.borrowing)
                 self._waiting.note(q.job_id, room or admission.waiting_reason(q.layout, view, e))
                 continue
             if not q.decision.start:  # the GPUs are there but fair share or a reservation says wait

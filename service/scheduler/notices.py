@@ -1,5 +1,6 @@
 """The scheduler's preemption notices: node drains (the API's and the cloud's notice files), and room
-made for a higher-priority job (service.scheduler.preemption chooses the victims). The notice itself
+made for a higher-priority job or for a tenant taking back the GPUs it lent (service.scheduler.preemption
+chooses the victims). The notice itself
 goes to the job's controller through workers.client (`ControllerClient.preempt`); the controller
 answers with a PREEMPTED snapshot that the ingest turns into `queued` (service.scheduler.ingest)."""
 
@@ -13,13 +14,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import store
 from service.scheduler import preemption
 from service.scheduler.attached import Attached, held_gpus
 from service.scheduler.cluster import free_view
-from service.store.models import Job, Node, NodeHealth
+from service.store.models import Job, Node, NodeHealth, Tenant
 from training.config.layout import Layout
 from workers.client import ControllerError, ControllerState
 from workers.placement import PlacementError, place
@@ -134,32 +136,61 @@ class Preemptor:
     def in_flight(self, attached: Mapping[str, Attached]) -> list[str]:
         return sorted(j for j, why in self.sent.items() if j in attached and why != "not preemptible")
 
-    def make_room(self, job_id: str, layout: Layout, topology: Topology,
-                  attached: Mapping[str, Attached]) -> str | None:
-        """Preempt lower-priority jobs so that `job_id` fits; the waiting reason if it did (or is
-        waiting for earlier victims), None if no set of victims makes room."""
+    def make_room(self, job_id: str, layout: Layout, topology: Topology, attached: Mapping[str, Attached],
+                  *, for_priority: bool = True, reclaim: bool = False) -> str | None:
+        """Preempt other tenants' jobs on borrowed GPUs (`reclaim`, for a job within its tenant's
+        quota), else lower-priority jobs (`for_priority`), so that `job_id` fits; the waiting reason
+        if it did (or is waiting for earlier victims), None if no set of victims makes room."""
         flying = self.in_flight(attached)
         if flying:  # one round of victims at a time; the job they make room for says so
             if job_id not in {target for target, _ in self._made_room.values()}:
                 return None
             return f"waiting for preempted job(s) {', '.join(flying)} to checkpoint and stop"
+        if not (for_priority or reclaim):
+            return None
         with self._rsf() as s:
-            priority = store.get_job(s, job_id).priority
-            candidates = [self._candidate(s, a) for a in attached.values() if a.controller_state in _TRAINING]
+            job = store.get_job(s, job_id)
+            priority, tenant = job.priority, job.tenant
+            lent = s.execute(select(Job.tenant, Job.progress).where(Job.id.in_(list(attached)))).all()
+            if not for_priority and not any(t != tenant and (doc or {}).get("borrowing") for t, doc in lent):
+                return None  # nothing lent to take back (one query, not one per attached job)
+            row = s.get(Tenant, tenant)
+            quota = row.gpu_quota if row is not None else None
+            candidates = [self._candidate(s, a) for a in attached.values()]
         view = free_view(topology, held_gpus(attached.values()))
         free = sum(n.gpus_free for n in view.schedulable_nodes())
-        victims = preemption.choose_victims(layout.world_size, free, priority, candidates)
-        if not victims:
+        if reclaim:
+            victims = preemption.choose_reclaim(layout.world_size, free, tenant, quota, candidates)
+            if victims and self._fits(layout, topology, attached, victims):
+                self._notify(job_id, attached, {v.job_id: f"reclaim: tenant {tenant} takes back {v.gpus} "
+                                                f"GPUs lent to tenant {v.tenant}" for v in victims})
+                return (f"reclaiming borrowed GPUs: preempting job(s) "
+                        f"{', '.join(sorted(v.job_id for v in victims))}")
+        if not for_priority:
             return None
-        ids = {v.job_id for v in victims}
+        victims = preemption.choose_victims(layout.world_size, free, priority, candidates)
+        if not victims or not self._fits(layout, topology, attached, victims):
+            return None
+        self._notify(job_id, attached, {v.job_id: f"preempted for job {job_id} (priority {priority})"
+                                        for v in victims})
+        ids = ", ".join(sorted(v.job_id for v in victims))
+        return f"preempting job(s) {ids} (lower priority) to make room"
+
+    @staticmethod
+    def _fits(layout: Layout, topology: Topology, attached: Mapping[str, Attached],
+              victims: list[preemption.Candidate]) -> bool:
+        """Whether the GPUs the victims free would make a placement."""
         try:
-            place(layout, _freed_view(topology, attached, ids))
+            place(layout, _freed_view(topology, attached, {v.job_id for v in victims}))
         except PlacementError:
-            return None  # the freed GPUs would not make a placement
-        for v in victims:
-            if self.send(attached[v.job_id], f"preempted for job {job_id} (priority {priority})"):
-                self._made_room[v.job_id] = (job_id, time.monotonic() + HOLD_BACK_S)
-        return f"preempting job(s) {', '.join(sorted(ids))} (lower priority) to make room"
+            return False
+        return True
+
+    def _notify(self, job_id: str, attached: Mapping[str, Attached], reasons: Mapping[str, str]) -> None:
+        """Send each victim its notice; a victim notified holds back until `job_id` has started."""
+        for victim, reason in reasons.items():
+            if self.send(attached[victim], reason):
+                self._made_room[victim] = (job_id, time.monotonic() + HOLD_BACK_S)
 
     def held_back(self, job_id: str) -> str | None:
         """Why a victim must not start again yet: the job it made room for is still queued (else it
@@ -182,7 +213,8 @@ class Preemptor:
         doc: dict[str, Any] = job.progress or {}
         gpus = sum(a.gpus_by_node().values())
         return preemption.Candidate(a.job_id, gpus, job.priority, since, bool(doc.get("borrowing")),
-                                    preemptible and a.job_id not in self.sent)
+                                    preemptible and a.job_id not in self.sent
+                                    and a.controller_state in _TRAINING, job.tenant)
 
 
 def note_resumed(s: Session, job_id: str, step: int) -> None:

@@ -3,7 +3,8 @@ training): draining a node sends its jobs a preemption notice; a preemptible job
 next step boundary, goes back to the queue, resumes on another node from that step and ends with
 the digest of an uninterrupted run, 0 steps lost; a `preemptible: false` job on the same node is not
 touched; the drained node takes no new ranks until uncordoned. A higher-priority job that does not
-fit preempts a lower-priority one the same way (LATTICE_PREEMPT_FOR_PRIORITY)."""
+fit preempts a lower-priority one the same way (LATTICE_PREEMPT_FOR_PRIORITY), and a tenant takes back
+the GPUs it lent (LATTICE_RECLAIM_BORROWED)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from service import metrics
+from service.auth import create_token
 from tests.e2e.conftest import LiveService, make_service, wait_for, wait_for_free_gpus
 from tests.faults.harness import service_job_spec
 
@@ -132,6 +134,40 @@ def test_a_higher_priority_job_that_does_not_fit_preempts_a_lower_one_losslessly
                   if e["type"] == "state" and e["payload"]["to"] == "starting"]
         assert len(starts) == 2 and _at(starts[-1]) >= _at(first["finished_at"])
     finally:
+        for node in OTHERS:
+            svc.api("POST", f"/v1/cluster/nodes/{node}/uncordon")
+    wait_for_free_gpus()
+
+
+def test_an_owner_takes_back_the_gpus_it_lent_and_the_borrower_resumes_losslessly(
+        svc: LiveService, baseline: dict[str, Any]) -> None:
+    """Tenant `lender` (quota 0, borrowing) runs on NODE's idle GPUs; team-a (quota 4) submits a 4-GPU
+    job of the same priority: the borrower is preempted (LATTICE_RECLAIM_BORROWED, on by default),
+    team-a's job runs, then the borrower resumes and finishes with 0 steps lost."""
+    with svc.session() as s:
+        borrower = create_token(s, tenant="lender", admin=True)  # an admin: its spec may slow a rank
+        s.commit()
+    for node in OTHERS:  # NODE's 4 GPUs only
+        assert svc.api("POST", f"/v1/cluster/nodes/{node}/cordon").status_code == 200
+    try:
+        for tenant, doc in (("lender", {"gpu_quota": 0, "borrowing": True}), ("team-a", {"gpu_quota": 4})):
+            assert svc.api("PUT", f"/v1/tenants/{tenant}", json=doc).status_code == 200
+        slowed = {**SPEC, "faults": [{**SLOW[0], "seconds": 1.0}]}  # still training when the owner comes
+        r = svc.api("POST", "/v1/jobs", token=borrower, json=slowed)
+        assert r.status_code == 201, r.text
+        lent = r.json()
+        wait_for(lambda: (svc.job(lent["id"])["progress"]["step"] or 0) >= 2, 120, "the borrower to train")
+        r = svc.api("POST", "/v1/jobs", token=svc.user,
+                    json=service_job_spec("owner", steps=3, every=0, seed=7, dp=4))
+        assert r.status_code == 201, r.text
+        first = svc.wait_state(r.json()["id"], ("succeeded", "failed", "cancelled"), timeout_s=120)
+        assert first["state"] == "succeeded", first["error"]
+        why = "reclaim: tenant team-a takes back 2 GPUs lent to tenant lender"
+        assert [p["reason"] for p in _of(svc, lent["id"], "preemption_requested")] == [why]
+        _resumed_losslessly(svc, lent["id"], baseline, why)
+    finally:
+        for tenant in ("lender", "team-a"):
+            svc.api("PUT", f"/v1/tenants/{tenant}", json={})
         for node in OTHERS:
             svc.api("POST", f"/v1/cluster/nodes/{node}/uncordon")
     wait_for_free_gpus()
