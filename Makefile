@@ -55,6 +55,9 @@ bench: install
 	$(BIN)/python -m bench.overhead
 	$(BIN)/python -m bench.recovery
 	$(BIN)/python -m bench.sdc
+	$(BIN)/python -m bench.planner_accuracy
+	$(BIN)/python -m bench.cluster_sim
+	$(BIN)/python -m bench.failover
 
 lint: install
 	$(BIN)/ruff check .

@@ -19,6 +19,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api.overload import EXEMPT_PATHS as OVERLOAD_EXEMPT_PATHS
 from service.errors import LatticeError
 from service.schemas import FieldError, JobSpec, Problem
 
@@ -205,8 +206,10 @@ def add_problem_schemas(openapi: dict[str, Any]) -> dict[str, Any]:
     components = openapi.setdefault("components", {}).setdefault("schemas", {})
     components.update(defs)
     components["Problem"] = schema
-    for path_item in openapi.get("paths", {}).values():
+    for path, path_item in openapi.get("paths", {}).items():
         for operation in path_item.values():
+            if path not in OVERLOAD_EXEMPT_PATHS:  # the overload middlewares may answer any other route
+                _document_overload(operation.setdefault("responses", {}))
             for status, response in operation.get("responses", {}).items():
                 if status[0] in "45" and "application/json" in response.get("content", {}):
                     response["content"] = dict(PROBLEM_CONTENT)
@@ -214,6 +217,21 @@ def add_problem_schemas(openapi: dict[str, Any]) -> dict[str, Any]:
         if unused not in _refs(openapi.get("paths", {})):
             components.pop(unused, None)
     return openapi
+
+
+def _document_overload(responses: dict[str, Any]) -> None:
+    """429 (rate limit) and 503 (load shed) with their Retry-After header (service/api/overload.py)."""
+    retry_after = {
+        "Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}
+    }
+    overload = {
+        "429": "Over this token's request rate (LATTICE_RATE_LIMIT_PER_S); retry after `Retry-After`.",
+        "503": "Overloaded, not ready, or the database is unavailable; retry after `Retry-After` seconds.",
+    }
+    for status, description in overload.items():
+        default = {"description": description, "content": dict(PROBLEM_CONTENT)}
+        response = responses.setdefault(status, default)
+        response.setdefault("headers", {}).update(retry_after)
 
 
 def _refs(node: Any) -> str:

@@ -124,3 +124,15 @@ def test_fault_injection_is_mounted_and_off_by_default(client: TestClient, token
     assert r.status_code in (403, 404), r.text  # a user never injects faults
     r = client.post(f"/v1/jobs/{job['id']}/faults", json=fault, headers=bearer(tokens["admin"]))
     assert r.status_code == 409 and "LATTICE_FAULT_INJECTION" in r.json()["detail"], r.text
+
+
+def test_every_limited_route_documents_429_and_503_with_retry_after(client: TestClient) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+    for path, item in paths.items():
+        for operation in item.values():
+            responses = operation["responses"]
+            if path in ("/healthz", "/readyz", "/metrics"):  # probes are never shed or limited
+                assert "429" not in responses, path
+                continue
+            for status in ("429", "503"):
+                assert "Retry-After" in responses[status].get("headers", {}), (path, status)
