@@ -115,8 +115,9 @@ class Settings(BaseSettings):
         "created 0700 if missing); unset = <home>/data. Must not contain the service's own state.",
     )
     preempt_for_priority: bool = Field(
-        False, description="A queued job that does not fit preempts running jobs of lower priority (they "
-        "checkpoint at the next step and requeue; docs/fault_tolerance.md). Off: it waits, as before.",
+        True, description="A queued job that does not fit preempts running jobs of lower priority (they "
+        "checkpoint at the next step and requeue, losing no step; docs/fault_tolerance.md); tenants' "
+        "max_priority bounds who may. Off: it waits for them to end.",
     )
     reclaim_borrowed: bool = Field(
         True, description="A queued job within its tenant's GPU quota that does not fit preempts other "

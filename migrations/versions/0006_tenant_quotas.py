@@ -23,9 +23,13 @@ def upgrade() -> None:
         batch.add_column(sa.Column('gpu_quota', sa.Integer(), nullable=True))
         batch.add_column(sa.Column('weight', sa.Float(), server_default=sa.text('1.0'), nullable=False))
         batch.add_column(sa.Column('borrowing', sa.Boolean(), server_default=sa.false(), nullable=False))
+    with op.batch_alter_table('nodes') as batch:
+        batch.add_column(sa.Column('drain_reason', sa.Text(), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table('nodes') as batch:
+        batch.drop_column('drain_reason')
     with op.batch_alter_table('tenants') as batch:
         batch.drop_column('borrowing')
         batch.drop_column('weight')

@@ -80,10 +80,18 @@ class Preemptor:
 
     def take_notices(self) -> None:
         """Cloud preemption notices (files, service.scheduler.preemption.read_notices) cordon and
-        drain their nodes (before the tick reads the node ledger)."""
+        drain their nodes, and drains recorded in the store by any API replica join them (before the
+        tick reads the node ledger)."""
         for node in preemption.read_notices(self._notice_dir):
             if self._cordon(node):
                 self.drain(node, f"cloud preemption notice for node {node}")
+        with self._rsf() as s:
+            recorded = s.execute(
+                select(Node.id, Node.drain_reason).where(
+                    Node.drain_reason.is_not(None), Node.health == NodeHealth.CORDONED.value)
+            ).all()
+        for node, why in recorded:
+            self.drain(node, why)
 
     def tick(self, attached: Mapping[str, Attached], cordoned: frozenset[str]) -> None:
         """Drains send their notices to the jobs with ranks on the node; an uncordoned node ends its

@@ -225,6 +225,9 @@ class Node(Base):
     fault_count: Mapped[int] = mapped_column(Integer, default=0)
     last_fault: Mapped[str | None] = mapped_column(Text)
     fault_jobs: Mapped[list[str] | None] = mapped_column(JSONType)  # jobs whose faults counted here
+    # Why the node drains (an admin's drain, through any API replica): the leading scheduler notifies
+    # its jobs; cleared by uncordon.
+    drain_reason: Mapped[str | None] = mapped_column(Text)
     last_fault_at: Mapped[dt.datetime | None]
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 

@@ -32,8 +32,9 @@ def spec(name: str, steps: int, priority: int = 0) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def svc(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveService]:
     wait_for_free_gpus()
+    # Without priority preemption (tests/e2e/test_preemption.py has it): a higher priority waits, first.
     service = make_service(ray_cluster, tmp_path_factory.mktemp("capacity") / "home",
-                           controller_defaults={"train_fn": STANDIN})
+                           preempt_for_priority=False, controller_defaults={"train_fn": STANDIN})
     wait_for(lambda: len(service.api("GET", "/v1/cluster").json()["nodes"]) == 4, 60, "the nodes table")
     try:
         yield service

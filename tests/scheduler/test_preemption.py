@@ -18,6 +18,7 @@ from service.scheduler.ingest import mirror_state
 from service.scheduler.notices import Preemptor, note_resumed
 from service.scheduler.observer import JobMetrics
 from service.scheduler.preemption import Candidate, choose_victims, jobs_on_nodes, read_notices
+from service.store.models import Node, NodeHealth
 from training.config.layout import Layout
 from workers.client import ControllerState
 from workers.topology import Topology
@@ -195,3 +196,27 @@ def test_a_cloud_notice_cordons_and_drains_its_node(db_session_factory: sessionm
     p.tick({on.job_id: on}, frozenset({"r1-n1"}))
     assert len(_notices(on)) == 1 and "cloud preemption notice" in _notices(on)[0][0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_drain_recorded_by_another_process_reaches_the_leading_scheduler(
+        db_session_factory: sessionmaker[Session]) -> None:
+    """An API replica (role api, no scheduler in its process) records the drain in the store; the
+    leader's tick reads it and notifies the node's jobs; uncordon clears it and ends the drain."""
+    with store.session_scope(db_session_factory) as s:
+        store.upsert_node(s, "r1-n1", rack="r1", gpus=4)
+        store.set_node_health(s, "r1-n1", NodeHealth.CORDONED)
+        s.get(Node, "r1-n1").drain_reason = "drained by an admin of tenant ops"
+        on = _attached(s, "on", "r1-n1", 2)
+    p = Preemptor(db_session_factory, db_session_factory, None, timeout_s=1.0)
+    p.take_notices()
+    p.tick({on.job_id: on}, frozenset({"r1-n1"}))
+    [(reason, _)] = _notices(on)
+    assert "r1-n1 drains (drained by an admin of tenant ops)" in reason
+    with store.session_scope(db_session_factory) as s:  # what uncordon does
+        store.set_node_health(s, "r1-n1", NodeHealth.READY)
+        s.get(Node, "r1-n1").drain_reason = None
+    p.forget(on.job_id)
+    p.take_notices()
+    p.tick({on.job_id: on}, frozenset())
+    p.tick({on.job_id: on}, frozenset({"r1-n1"}))  # a plain cordon later preempts nobody
+    assert len(_notices(on)) == 1

@@ -171,7 +171,10 @@ def _find_row(session: Session, request: Request, node_id: str) -> Node:
     return row
 
 
-def _set_cordon(request: Request, session: Session, node_id: str, cordon: bool) -> NodePublic:
+def _set_cordon(request: Request, session: Session, node_id: str, cordon: bool,
+                drain: str | None = None) -> NodePublic:
+    """Cordon (and with `drain`, record why the node drains: the leading scheduler, wherever it runs,
+    reads it and notifies the node's jobs) or uncordon, which ends a drain."""
     row = _find_row(session, request, node_id)
     health = row.health
     if cordon:
@@ -179,7 +182,10 @@ def _set_cordon(request: Request, session: Session, node_id: str, cordon: bool) 
             raise Conflict(f"node {row.id!r} is {health}: it already receives no ranks")
         if health != NodeHealth.CORDONED.value:
             store.set_node_health(session, row.id, NodeHealth.CORDONED)
+        if drain is not None:
+            row.drain_reason = drain
     else:
+        row.drain_reason = None
         if health == NodeHealth.DEAD.value:
             raise Conflict(f"node {row.id!r} is dead; it becomes ready when it rejoins the cluster")
         if health in (NodeHealth.CORDONED.value, NodeHealth.QUARANTINED.value):
@@ -208,10 +214,11 @@ def cordon_node(node_id: NodeId, request: Request, session: SessionDep, admin: A
              "until uncordoned.",
              responses=problem_responses(401, 403, 404, 409, 422))
 def drain_node(node_id: NodeId, request: Request, session: SessionDep, admin: AdminPrincipal) -> NodePublic:
-    node = _set_cordon(request, session, node_id, True)
+    why = f"drained by an admin of tenant {admin.tenant}"
+    node = _set_cordon(request, session, node_id, True, drain=why)
     scheduler: Any = getattr(request.app.state, "scheduler", None)
-    if scheduler is not None and hasattr(scheduler, "drain"):
-        scheduler.drain(node.id, f"drained by an admin of tenant {admin.tenant}")
+    if scheduler is not None and hasattr(scheduler, "drain"):  # in-process: act now, not next tick
+        scheduler.drain(node.id, why)
     return node
 
 
