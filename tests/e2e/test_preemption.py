@@ -146,12 +146,24 @@ def test_an_owner_takes_back_the_gpus_it_lent_and_the_borrower_resumes_losslessl
     team-a's job runs, then the borrower resumes and finishes with 0 steps lost."""
     with svc.session() as s:
         borrower = create_token(s, tenant="lender", admin=True)  # an admin: its spec may slow a rank
+        capped = create_token(s, tenant="capped")
         s.commit()
     for node in OTHERS:  # NODE's 4 GPUs only
         assert svc.api("POST", f"/v1/cluster/nodes/{node}/cordon").status_code == 200
+    tenants = (("lender", {"gpu_quota": 0, "borrowing": True}), ("team-a", {"gpu_quota": 4}),
+               ("capped", {"gpu_quota": 2}))
     try:
-        for tenant, doc in (("lender", {"gpu_quota": 0, "borrowing": True}), ("team-a", {"gpu_quota": 4})):
+        for tenant, doc in tenants:
             assert svc.api("PUT", f"/v1/tenants/{tenant}", json=doc).status_code == 200
+        # a job beyond its tenant's quota (and no borrowing) waits with the reason, on free GPUs
+        over_spec = service_job_spec("over", steps=3, every=0, seed=7, dp=4)
+        over = svc.api("POST", "/v1/jobs", token=capped, json=over_spec)
+        assert over.status_code == 201, over.text
+        over_id = over.json()["id"]
+        wait_for(lambda: any(p["reason"].startswith("quota: needs 4 GPUs, the quota is 2")
+                             for p in _of(svc, over_id, "waiting")), 60, "the quota reason")
+        assert svc.job(over_id)["state"] == "queued"
+        assert svc.api("POST", f"/v1/jobs/{over_id}/cancel").status_code == 200
         slowed = {**SPEC, "faults": [{**SLOW[0], "seconds": 1.0}]}  # still training when the owner comes
         r = svc.api("POST", "/v1/jobs", token=borrower, json=slowed)
         assert r.status_code == 201, r.text
@@ -166,8 +178,8 @@ def test_an_owner_takes_back_the_gpus_it_lent_and_the_borrower_resumes_losslessl
         assert [p["reason"] for p in _of(svc, lent["id"], "preemption_requested")] == [why]
         _resumed_losslessly(svc, lent["id"], baseline, why)
     finally:
-        for tenant in ("lender", "team-a"):
-            svc.api("PUT", f"/v1/tenants/{tenant}", json={})
+        for tenant, _ in tenants:  # omitted fields keep their values: reset them by name
+            svc.api("PUT", f"/v1/tenants/{tenant}", json={"gpu_quota": None, "borrowing": False})
         for node in OTHERS:
             svc.api("POST", f"/v1/cluster/nodes/{node}/uncordon")
     wait_for_free_gpus()
