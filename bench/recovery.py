@@ -1,24 +1,30 @@
 """Recovery from a killed rank: Lattice's controller against Ray Train.
 
-    python -m bench.recovery                   # DP 2, 24 steps, checkpoint every 5, kill rank 1 at 12
+    python -m bench.recovery                   # 40 steps, checkpoint every 5, kill the last rank at 12
     python -m bench.recovery --skip-ray-train  # Lattice only (Ray Train needs pandas + pyarrow)
 
 The same small job (the training engine's tiny GPT, the same DCP checkpoints every `--every`
-steps) runs on the same embedded cluster (1 rack x 2 nodes x 4 virtual GPUs), and rank 1 SIGKILLs
-itself after step `--kill-at`. Measured from the kill to the first step completed after recovery,
-with the steps lost (computed before the kill and thrown away by the restore):
+steps) runs on the same embedded cluster (1 rack x 2 nodes x 4 virtual GPUs), and its last rank
+SIGKILLs itself after step `--kill-at`. Measured from the kill to the first step completed after
+recovery, with the steps lost (computed before the kill and thrown away by the restore). DP 2:
 
-- Lattice, fast path: the controller replaces only the dead rank and re-rendezvouses the others;
+- Lattice, peer path + a warm spare: the replacement is a hot spare (workers.spares) and takes its
+  DP peer's in-memory state (training.checkpoint.peer): nothing rolls back;
+- Lattice, peer path: the same with a cold replacement actor;
+- Lattice, fast path from the checkpoint (peer recovery off): only the dead rank is replaced;
 - Lattice, full restart: every rank re-placed and restarted (the fast path switched off);
 - Ray Train: `TorchTrainer` with `FailureConfig(max_failures=3)`; its worker loop resumes from the
   newest checkpoint of the same directory (so both pay the same load), Ray Train restarts the group.
 
-The ratio Lattice / Ray Train is printed; the target is <= 0.5.
+DP 1 (no peer: the checkpoint): Lattice with a warm spare against Ray Train with one worker.
+Targets (issue 17): peer path <= 0.25x Ray Train with 0 steps lost and bit-identical weights;
+DP 1 with a warm spare <= 0.4x Ray Train.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -34,22 +40,33 @@ from training.config.spec import ModelSpec
 SPEC = ModelSpec(layers=2, hidden=64, heads=4, vocab=256, seq_len=32)
 
 
-def _cfg(ckpt: str, steps: int, every: int) -> RunConfig:
-    return RunConfig(model=SPEC, layout=Layout(dp=2, micro_batch_size=2), steps=steps,
+def _cfg(ckpt: str, steps: int, every: int, dp: int = 2) -> RunConfig:
+    return RunConfig(model=SPEC, layout=Layout(dp=dp, micro_batch_size=2), steps=steps,
                      checkpoint=CheckpointConfig(dir=ckpt, every_steps=every))
 
 
-def run_lattice(steps: int, every: int, kill_at: int, fast: bool, root: str) -> dict[str, Any]:
+def run_lattice(steps: int, every: int, kill_at: int, root: str, *, name: str, dp: int = 2, fast: bool = True,
+                peer: bool = True, spares: int = 0) -> dict[str, Any]:
     import ray
 
     from workers.controller import ControllerOptions, kill_controller, start_controller
 
-    job = f"bench-recovery-{'fast' if fast else 'full'}"
-    cfg = _cfg(os.path.join(root, job), steps, every)
-    opts = ControllerOptions(poll_interval_s=0.1, fast_path=fast, hang_timeout_s=30.0,
-                             faults=({"kind": "kill_rank", "rank": 1, "at_step": kill_at},))
+    job = f"bench-recovery-{name}"
+    cfg = _cfg(os.path.join(root, job), steps, every, dp)
+    kill = {"kind": "kill_rank", "rank": dp - 1, "at_step": kill_at}
+    opts = ControllerOptions(poll_interval_s=0.1, fast_path=fast, peer_recovery=peer, spares=spares,
+                             hang_timeout_s=30.0, faults=() if spares else (kill,))
     handle = start_controller(job, cfg, options=opts)
     try:
+        if spares:  # the kill once the spare is warm (it starts with the ranks), before kill_at
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                snap = ray.get(handle.poll.remote(0))
+                if any(s.get("state") == "warm" for s in snap.get("spares") or []):
+                    break
+                time.sleep(0.1)
+            at = max(kill_at, (snap["progress"]["step"] or 0) + 2)
+            ray.get(handle.inject_fault.remote("kill_rank", dp - 1, at))
         while True:
             snap = ray.get(handle.poll.remote(0))
             if snap["terminal"]:
@@ -62,7 +79,9 @@ def run_lattice(steps: int, every: int, kill_at: int, fast: bool, root: str) -> 
     incident = snap["faults"]["incidents"][0]
     fault = next(e for e in snap["events"] if e["kind"] == "fault_injected")
     restore = next(e for e in snap["events"] if e["kind"] == "restore")
-    return {"kill_to_step_s": incident["time_to_detect_s"] + incident["time_to_recover_s"],
+    restart = next(e for e in snap["events"] if e["kind"] == "restart")
+    return {"path": restart["path"], "spare": bool(restart.get("spare_used")),
+            "kill_to_step_s": incident["time_to_detect_s"] + incident["time_to_recover_s"],
             "detect_s": incident["time_to_detect_s"], "recover_s": incident["time_to_recover_s"],
             "lost": restore["steps_lost"], "restored": restore["step"], "kill_step": fault["step"],
             "digest": snap["result"]["model_digest"]}
@@ -90,7 +109,7 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
             if rank == 0:
                 with log.open("a") as f:
                     f.write(json.dumps({"step": info.step, "t": time.time()}) + "\n")
-            if rank == 1 and info.step == config["kill_at"] and not marker.exists():
+            if rank == world - 1 and info.step == config["kill_at"] and not marker.exists():
                 marker.write_text(json.dumps({"t": time.time(), "step": info.step}))
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -100,21 +119,21 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
         Path(config["result"]).write_text(json.dumps({"digest": result.model_digest}))
 
 
-def run_ray_train(steps: int, every: int, kill_at: int, root: str) -> dict[str, Any]:
+def run_ray_train(steps: int, every: int, kill_at: int, root: str, dp: int = 2) -> dict[str, Any]:
     from ray.train import FailureConfig, ScalingConfig
     from ray.train import RunConfig as RayRunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    base = Path(root) / "raytrain"
+    base = Path(root) / f"raytrain-dp{dp}"
     base.mkdir(parents=True, exist_ok=True)
-    cfg = _cfg(str(base / "ckpt"), steps, every)
+    cfg = _cfg(str(base / "ckpt"), steps, every, dp)
     config = {"cfg": cfg.to_dict(), "kill_at": kill_at, "log": str(base / "steps.jsonl"),
               "marker": str(base / "killed.json"), "result": str(base / "result.json")}
     trainer = TorchTrainer(
         _ray_train_loop, train_loop_config=config,
         torch_config=TorchConfig(backend="gloo"),
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 0.1}),
-        run_config=RayRunConfig(storage_path=str(base / "storage"), name="bench-recovery",
+        scaling_config=ScalingConfig(num_workers=dp, use_gpu=False, resources_per_worker={"CPU": 0.1}),
+        run_config=RayRunConfig(storage_path=str(base / "storage"), name=f"bench-recovery-dp{dp}",
                                 failure_config=FailureConfig(max_failures=3)),
     )
     trainer.fit()
@@ -133,7 +152,7 @@ def run_ray_train(steps: int, every: int, kill_at: int, root: str) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--kill-at", type=int, default=12)
     parser.add_argument("--skip-ray-train", action="store_true")
@@ -145,29 +164,38 @@ def main(argv: list[str] | None = None) -> None:
     root = tempfile.mkdtemp(prefix="lrec-")
     cluster = start_embedded_cluster(racks=1, nodes_per_rack=2, gpus_per_node=4, temp_dir=root + "/ray",
                                      cpus_per_node=2)
-    rows = []
+    rows: list[tuple[str, dict[str, Any]]] = []
+    dp1: list[tuple[str, dict[str, Any]]] = []
     try:
-        fast = run_lattice(a.steps, a.every, a.kill_at, True, root)
-        rows.append(("Lattice (fast path)", fast))
-        full = run_lattice(a.steps, a.every, a.kill_at, False, root)
-        rows.append(("Lattice (full restart)", full))
+        run = functools.partial(run_lattice, a.steps, a.every, a.kill_at, root)
+        rows.append(("Lattice peer path + spare", run(name="peer-spare", spares=1)))
+        rows.append(("Lattice peer path", run(name="peer")))
+        rows.append(("Lattice fast path (ckpt)", run(name="fast", peer=False)))
+        rows.append(("Lattice full restart", run(name="full", fast=False)))
+        dp1.append(("Lattice DP 1 + spare", run(name="dp1-spare", dp=1, spares=1)))
         if not a.skip_ray_train:
             rows.append(("Ray Train TorchTrainer", run_ray_train(a.steps, a.every, a.kill_at, root)))
+            dp1.append(("Ray Train DP 1", run_ray_train(a.steps, a.every, a.kill_at, root, dp=1)))
     finally:
         cluster.shutdown()
     print(f"# bench.recovery — {machine()}")
-    print(f"DP 2 tiny GPT ({SPEC.layers}x{SPEC.hidden}), {a.steps} steps, checkpoint every {a.every}, "
-          f"rank 1 SIGKILLed after step {a.kill_at}\n")
-    print(f"{'system':26s} {'kill -> first step (s)':>23s} {'steps lost':>11s} {'restored':>9s}")
-    for name, r in rows:
-        print(f"{name:26s} {r['kill_to_step_s']:23.2f} {r['lost']:11d} {r['restored']:9d}")
-    digests = {r["digest"] for _, r in rows}
-    print(f"\nfinal weights identical across runs: {len(digests) == 1}")
-    if len(rows) == 3:
-        ratio = rows[0][1]["kill_to_step_s"] / rows[2][1]["kill_to_step_s"]
-        print(f"ratio Lattice fast path / Ray Train: {ratio:.2f} (target <= 0.5)")
-        print(f"ratio Lattice full restart / Ray Train: "
-              f"{rows[1][1]['kill_to_step_s'] / rows[2][1]['kill_to_step_s']:.2f}")
+    print(f"tiny GPT ({SPEC.layers}x{SPEC.hidden}), {a.steps} steps, checkpoint every {a.every}, "
+          f"the last rank SIGKILLed after step {a.kill_at}\n")
+    for title, table in (("DP 2", rows), ("DP 1 (no peer)", dp1)):
+        print(f"{title}\n{'system':28s} {'path':>6s} {'spare':>6s} {'kill -> first step (s)':>23s} "
+              f"{'steps lost':>11s} {'restored':>9s}")
+        for name, r in table:
+            print(f"{name:28s} {r.get('path', '-'):>6s} {str(r.get('spare', '-')):>6s} "
+                  f"{r['kill_to_step_s']:23.2f} {r['lost']:11d} {r['restored']:9d}")
+        print(f"final weights identical across runs: {len({r['digest'] for _, r in table}) == 1}\n")
+    if a.skip_ray_train:
+        return
+    ray_s, ray1_s = rows[-1][1]["kill_to_step_s"], dp1[-1][1]["kill_to_step_s"]
+    for name, r in rows[:-1]:
+        print(f"ratio {name} / Ray Train: {r['kill_to_step_s'] / ray_s:.2f}"
+              + (" (target <= 0.25, 0 steps lost)" if name.startswith("Lattice peer") else ""))
+    dp1_ratio = dp1[0][1]["kill_to_step_s"] / ray1_s
+    print(f"ratio Lattice DP 1 + spare / Ray Train DP 1: {dp1_ratio:.2f} (target <= 0.4)")
 
 
 if __name__ == "__main__":

@@ -103,6 +103,20 @@ JOB_STEPS_LOST = Counter(
     JOB_LABELS,
     registry=REGISTRY,
 )
+JOB_STEPS_LOST_PER_FAULT = Histogram(
+    "lattice_job_steps_lost_per_fault",
+    "Steps thrown away by each restore (0 on the peer path).",
+    JOB_LABELS,
+    buckets=(0, 1, 2, 5, 10, 20, 50, 100, 500, 1000),
+    registry=REGISTRY,
+)
+JOB_RECOVERIES = Counter(
+    "lattice_job_recoveries_total",
+    "Recoveries by path: peer (the DP peers' memory, no rollback), checkpoint (fast path or full "
+    "restart from the verified checkpoint), replan (a new layout for the capacity left or returned).",
+    [*JOB_LABELS, "path"],
+    registry=REGISTRY,
+)
 JOB_GOODPUT = Gauge(
     "lattice_job_goodput_ratio",
     "Useful step time over the time since the first step (queue and start-up are their own parts).",
@@ -118,6 +132,20 @@ JOB_GOODPUT_SECONDS = Gauge(
 )
 JOB_SDC = Counter(
     "lattice_job_sdc_detections_total", "Silent data corruption detections.", JOB_LABELS, registry=REGISTRY
+)
+JOB_SPARES = Gauge(
+    "lattice_spares", "Hot spare rank actors kept beside the job (workers.spares), by state.",
+    [*JOB_LABELS, "state"], registry=REGISTRY,
+)
+JOB_SPARE_AGE = Gauge(
+    "lattice_spare_age_seconds", "Age of the job's oldest hot spare (0: none).", JOB_LABELS, registry=REGISTRY
+)
+JOB_REPLACEMENT_SECONDS = Histogram(
+    "lattice_job_replacement_seconds",
+    "Time from asking for a replacement rank to a warm actor (imports done), by whether a spare was used.",
+    [*JOB_LABELS, "spare"],
+    buckets=_RECOVERY_BUCKETS,
+    registry=REGISTRY,
 )
 
 # ---- fleet-wide fault counters (survive the job) ---------------------------------------------
@@ -167,9 +195,14 @@ PER_JOB_METRICS = (
     JOB_TIME_TO_DETECT,
     JOB_TIME_TO_RECOVER,
     JOB_STEPS_LOST,
+    JOB_STEPS_LOST_PER_FAULT,
+    JOB_RECOVERIES,
     JOB_GOODPUT,
     JOB_GOODPUT_SECONDS,
     JOB_SDC,
+    JOB_SPARES,
+    JOB_SPARE_AGE,
+    JOB_REPLACEMENT_SECONDS,
 )
 # Restart causes (the failure kinds and "unknown"): each job's restart series, and the fleet's, start at
 # 0 for every cause, so that increase() counts the first restart.

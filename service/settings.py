@@ -46,6 +46,11 @@ class Settings(BaseSettings):
         "profile its plan used (a bounded step toward what it measured; docs/planner.md, "
         "\"Learning from jobs\")."
     )
+    auto_calibrate: bool = Field(
+        True, description="The leading scheduler calibrates each node type that has no hardware profile "
+        "when its first node joins: a quick grid (seconds) as a Ray task on one GPU of that node, in the "
+        "background, stored as the type's profile (docs/planner.md, \"Background calibration\").",
+    )
     checkpoint_root: Path | None = Field(
         None,
         description="Where job checkpoints go; unset = <home>/checkpoints. Shared storage in production.",
@@ -90,6 +95,10 @@ class Settings(BaseSettings):
     )
     heartbeat_timeout_s: float = Field(
         10.0, gt=0, description="A rank silent for this long is treated as hung (default for job specs)."
+    )
+    spares_per_job: int = Field(
+        0, ge=0, le=64, description="Warm spare rank actors kept beside each running job, outside its "
+        "placement (default for job specs' fault_tolerance.spares; docs/fault_tolerance.md, \"Hot spares\").",
     )
     scheduler_interval_s: float = Field(
         1.0, gt=0, description="Period of the scheduler/reconciler loop when nothing wakes it earlier."

@@ -20,6 +20,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
+# The scheduler's background calibration of new node types (service/scheduler/autocalibrate.py) is
+# off in tests, and in the servers they start (subprocesses inherit it); the tests of it turn it on.
+os.environ.setdefault("LATTICE_AUTO_CALIBRATE", "false")
+
 
 def postgres_url() -> str:
     return os.environ.get("LATTICE_TEST_POSTGRES_URL", DEFAULT_POSTGRES_URL)

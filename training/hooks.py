@@ -8,6 +8,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from training.checkpoint.checkpointer import CheckpointInfo
+from training.checkpoint.peer import KeptState, PeerPlan
 from training.integrity.attribution import AuditConfig
 from training.integrity.detectors import IntegrityError
 from training.integrity.injection import BitFlipInjector
@@ -47,6 +48,16 @@ class TrainHooks:
     audit: AuditConfig | None = AuditConfig()
     #: Restore only a checkpoint of one of these steps (the verified ones); None = any valid one.
     restore_steps: Collection[int] | None = None
+    #: A peer recovery (training.checkpoint.peer): this rank's part, and the state its previous
+    #: attempt kept (survivors); set, the loop starts from the peers' step instead of a checkpoint.
+    peer_plan: PeerPlan | None = None
+    kept_state: KeptState | None = None
+    #: Keep the state in memory when the attempt fails (`keep_state`), for a peer recovery.
+    keep_state_on_failure: bool = False
+
+    def keep_state(self, kept: KeptState) -> None:
+        """The failed attempt's state at the end of step `kept.step` (see `keep_state_on_failure`)."""
+        return None
 
     def on_step(self, info: StepInfo) -> Action | None:
         return None

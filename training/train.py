@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from training.checkpoint import peer
 from training.checkpoint.checkpointer import Checkpointer, CheckpointInfo
 from training.config.arithmetic import mfu, model_flops_per_token
 from training.config.run import RunConfig
@@ -123,6 +124,9 @@ class Trainer:
         self.flops_per_token = flops_per_token or model_flops_per_token(cfg.model)
         self.peak = peak_flops(ctx.device)
         self.step = 0
+        # True while the state is not that of a whole step (being built or restored, or inside an
+        # optimizer update): a failure then keeps nothing for a peer recovery (training.checkpoint.peer).
+        self.updating = True
         self.memory: MemoryAccount | None = None  # measured on this attempt's first step
         self.steps_run, self.memory_reported = 0, False
         self.timer = PhaseTimer(ctx.device)  # per-phase step times, reported with each step
@@ -253,6 +257,7 @@ class Trainer:
         grads = grad_bytes(self.parts) if meter is not None else 0  # zero_grad frees them below
         take_gradient_checks(self, step, rerun)
         timer.mark("dp_sync")
+        self.updating = True
         if self.cfg.optim.grad_clip:
             clip_grad_norm(list(self.parts), self.cfg.optim.grad_clip, dims.group("pp"))
         for opt in self.optimizers:
@@ -265,6 +270,7 @@ class Trainer:
         if injector is not None:
             injector.maybe_flip_params(step, self.named_parameters())
         self.step = step
+        self.updating = False
         fingerprint = None
         if self.fingerprint_due(step):
             with masters_in_place(self.optimizers, replicated_only=True):  # fp32 masters (not ZeRO-1's)
@@ -333,17 +339,37 @@ def train(ctx: DistContext, cfg: RunConfig, hooks: TrainHooks | None = None, *, 
     trainer = Trainer(ctx, cfg, hooks, flops_per_token)
     try:
         return _run(trainer, hooks, resume)
+    except BaseException:
+        _keep_for_peers(trainer, hooks)
+        raise
     finally:
         trainer.close()  # an async save still in flight after a failure dies with the attempt
 
 
+def _keep_for_peers(trainer: Trainer, hooks: TrainHooks) -> None:
+    """The attempt failed (a peer died, most often): keep this rank's state for a peer recovery when
+    it is that of a whole step and its DP replicas can stand in for it (training.checkpoint.peer)."""
+    if not hooks.keep_state_on_failure or trainer.updating or not peer.eligible(trainer.cfg):
+        return
+    try:
+        hooks.keep_state(peer.capture(trainer))
+    except Exception:  # the failure being raised matters more; the checkpoint path remains
+        log.exception("could not keep the state of step %d for a peer recovery", trainer.step)
+
+
 def _run(trainer: Trainer, hooks: TrainHooks, resume: bool) -> TrainResult:
     cfg, device = trainer.cfg, trainer.ctx.device
-    resumed = trainer.restore() if resume else None
+    plan = hooks.peer_plan
+    if plan is not None:  # a DP peer's state, not a checkpoint: nothing is rolled back
+        resumed = peer.restore_from_peers(trainer, plan, hooks.kept_state)
+        hooks.kept_state = None  # the failed attempt's tensors are free once copied
+    else:
+        resumed = trainer.restore() if resume else None
+    trainer.updating = False
     tokens_per_step = cfg.global_batch * cfg.model.seq_len
     losses: list[float] = []
     checkpoints: list[CheckpointInfo] = []
-    last_saved = resumed
+    last_saved = resumed if plan is None else None  # the peers' step has no checkpoint
 
     hooks.on_restore(resumed)
 

@@ -30,7 +30,7 @@ from training.config.run import RunConfig
 from workers.controller import ControllerExists, ControllerOptions, ControllerState, get_controller
 from workers.controller import start_controller as _start_actor
 from workers.names import NAMESPACE, controller_name
-from workers.policies import FailurePolicy
+from workers.policies import FailurePolicy, ScalingPolicy
 from workers.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,7 @@ def start_controller(
     *,
     options: ControllerOptions | None = None,
     failure_policy: FailurePolicy | None = None,
+    scaling_policy: ScalingPolicy | None = None,
     health: Mapping[str, str] | None = None,
     cordoned: Collection[str] = (),
 ) -> ControllerClient:
@@ -154,7 +155,7 @@ def start_controller(
     under the job's name, ControllerStartError if Ray refuses to create it."""
     try:
         handle = _start_actor(job_id, run_cfg, options=options, failure_policy=failure_policy,
-                              health=health, cordoned=cordoned)
+                              scaling_policy=scaling_policy, health=health, cordoned=cordoned)
     except RayError as e:
         raise ControllerStartError(f"{type(e).__name__}: {e}") from e
     return ControllerClient(job_id, handle)

@@ -230,7 +230,7 @@ class NodeHealthChange(Payload):
 
 @dataclass(frozen=True)
 class Restart(Payload):
-    path: str  # "fast" (only the failed ranks replaced) or "full"
+    path: str  # "peer" (state from DP peers, no rollback), "fast" (only the failed ranks replaced) or "full"
     restarts: int
     cause: str
     restore_step: int
@@ -238,6 +238,10 @@ class Restart(Payload):
     exclude_nodes: list[str]
     replaced: list[int] | None = None  # fast path only
     placement: list[dict[str, Any]] | None = None  # fast path only
+    # Why the peer path was or was not taken, and (peer) lost rank -> the survivor that sent its state
+    recovery: dict[str, Any] | None = None
+    spare_used: bool | None = None  # a replaced rank got a warm spare (workers.spares); fast/peer only
+    replacement_s: float | None = None  # request to a warm replacement actor, the slowest rank's
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path}
@@ -247,6 +251,10 @@ class Restart(Payload):
             out["placement"] = self.placement
         out.update(restarts=self.restarts, cause=self.cause, restore_step=self.restore_step,
                    restore_steps=self.restore_steps, exclude_nodes=self.exclude_nodes)
+        if self.recovery is not None:
+            out["recovery"] = self.recovery
+        if self.spare_used is not None:
+            out.update(spare_used=self.spare_used, replacement_s=self.replacement_s)
         return out
 
 

@@ -3,9 +3,10 @@
 The actor says where it really runs (`where()`: node id, rack and node-name labels, the GPU id
 Ray gave it), offers the rendezvous address when it is rank 0, then runs
 `training.train.train(ctx, run_cfg, hooks, resume=...)` in a background thread so that the
-controller can `poll()` it while it trains. Hooks (`make_hooks`) push events (steps, checkpoints, integrity
-errors, the result) into an in-actor buffer; `poll()` drains it and reports a heartbeat: seconds since the
-training thread last made progress, measured on the actor's own monotonic clock.
+controller can `poll()` it while it trains. Hooks (workers.rank_hooks) push events (steps,
+checkpoints, integrity errors, the result) into an in-actor buffer; `poll()` drains it and reports a
+heartbeat: seconds since the training thread last made progress, measured on the actor's own
+monotonic clock.
 
 Fault injection (`schedule_fault`, specs in workers.faults): kill_rank, hang_rank
 and slow_rank act from the step hook (or, with phase "checkpoint", when a save begins); bit flips
@@ -31,9 +32,10 @@ from typing import Any
 
 from workers.collective_trace import dump_path, watchdog_prefix
 from workers.engine_imports import import_callable, warm_imports
-from workers.events import CheckpointReport, CollectiveReport, EventKind, FaultReport, plain, rank_event
+from workers.events import EventKind, FaultReport, plain, rank_event
 from workers.logs import LogTarget, capture_rank_output
 from workers.names import NAMESPACE, controller_name
+from workers.rank_hooks import make_hooks
 
 log = logging.getLogger(__name__)
 
@@ -53,55 +55,6 @@ def exception_report(e: BaseException, step: int | None) -> dict[str, Any]:
             "error_types": [c.__name__ for c in type(e).__mro__ if c not in (BaseException, object)],
             "origin": frames[-1].filename if frames else None, "step": step,
             "traceback": "".join(traceback.format_exception(e))[-MAX_TRACEBACK_CHARS:]}
-
-
-def make_hooks(actor: RankActor) -> Any:
-    """A `training.train.TrainHooks` that reports into `actor`'s buffer (imported lazily so that
-    an actor which only reports where it runs never imports torch)."""
-    from training.train import Action, TrainHooks
-
-    class RankHooks(TrainHooks):
-        def on_step(self, info: Any) -> Any:
-            actor.record(EventKind.STEP, {**plain(info), "dp": actor.coord.get("dp", 0)})
-            actor.report_flips(info.step)
-            actor.after_step(info.step, "step")
-            wanted = actor.take_action()
-            return Action(wanted) if wanted else None
-
-        def on_restore(self, step: int | None) -> None:
-            actor.record(EventKind.RESTORED, {"step": step})
-
-        def on_validation(self, step: int, loss: float) -> None:
-            actor.record(EventKind.VALIDATION, {"step": step, "loss": loss})
-
-        def on_collective(self, step: int, name: str) -> None:
-            actor.record(EventKind.COLLECTIVE, CollectiveReport(step=step, name=name))
-
-        def on_checkpoint_start(self, step: int) -> None:
-            actor.after_step(step, "checkpoint")  # a fault here stops this rank before the save...
-            # ...while the others are in it:
-            actor.record(EventKind.COLLECTIVE, CollectiveReport(step=step, name="checkpoint"))
-
-        def on_verified(self, step: int) -> None:
-            actor.record(EventKind.VERIFIED, {"step": step})
-
-        def on_checkpoint(self, step: int, path: str, nbytes: int, seconds: float) -> None:
-            actor.after_commit(step, path)  # a corrupt_checkpoint fault lands before anyone hears of it
-            actor.record(EventKind.CHECKPOINT,
-                         CheckpointReport(step=step, path=path, bytes=nbytes, seconds=seconds))
-
-        def on_integrity_error(self, error: Any) -> Any:
-            actor.record(
-                EventKind.INTEGRITY_ERROR,
-                {"error_kind": error.kind, "step": error.step, "ranks": list(error.ranks),
-                 "evidence": plain(error.evidence), "message": str(error)},
-            )
-            raise error
-
-    hooks = RankHooks()
-    hooks.injector = actor.injector
-    hooks.restore_steps = actor.restore_steps
-    return hooks
 
 
 class RankActor:
@@ -135,7 +88,10 @@ class RankActor:
         self._log_target: LogTarget | None = None
         self._job_dir: str | None = None  # where the flight recorder is dumped (workers.collective_trace)
         self._backend = "gloo"
+        self.kept_state: Any = None  # a failed attempt's state for a peer recovery (training.checkpoint.peer)
+        self.peer_request: dict[str, Any] | None = None  # this attempt's peer recovery plan, if any
         warm_imports()  # a replacement rank imports the engine while its peers reset
+        self.ready_at = time.time()  # up and imported (a hot spare's age, a replacement's warm-up)
 
     # ---- where am I -------------------------------------------------------------------------
     def where(self) -> dict[str, Any]:
@@ -169,6 +125,15 @@ class RankActor:
     def ping(self) -> bool:
         return True
 
+    def warm_since(self) -> float:  # when this actor was up with its imports done (wall clock)
+        return self.ready_at
+
+    def assign(self, rank: int, world_size: int, coord: dict[str, int] | None = None) -> None:
+        """Make this idle hot spare (created as rank -1, workers.spares) rank `rank` of `world_size`."""
+        if self._thread is not None:
+            raise RuntimeError(f"rank {self.rank} already trained: only an idle spare can be assigned")
+        self.rank, self.world_size, self.coord = int(rank), int(world_size), dict(coord or {})
+
     # ---- training -----------------------------------------------------------------------------
     def start(
         self,
@@ -183,13 +148,19 @@ class RankActor:
         restore_steps: list[int] | None = None,
         log_target: LogTarget | None = None,
         collective_timeout_s: float | None = None,
+        peer: Mapping[str, Any] | None = None,
     ) -> None:
         """Train in a background thread. `restore_steps`: the checkpoints it may resume from
         (the verified ones; None = any valid one); `log_target`: the attempt's log folder (this
         rank's output goes to its file there); `collective_timeout_s`: the process group's timeout
-        (rendezvous and every collective; default `rendezvous_timeout_s`). May run again after `reset()`."""
+        (rendezvous and every collective; default `rendezvous_timeout_s`); `peer`: a peer recovery
+        ({"step", "sources": {lost rank: survivor}}, workers.recovery_path) instead of a checkpoint
+        restore. May run again after `reset()`."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError(f"rank {self.rank} is still training")
+        self.peer_request = dict(peer) if peer is not None else None
+        if peer is None:
+            self.kept_state = None  # a checkpoint restore: the kept state is of no use
         self.restore_steps = None if restore_steps is None else set(restore_steps)
         self._attempts += 1
         with self._lock:
@@ -401,6 +372,11 @@ class RankActor:
         self._thread = None
         self._stop.clear()
         return True
+
+    def kept(self) -> int | None:
+        """The step whose state the last (failed) attempt kept in memory for a peer recovery."""
+        kept = self.kept_state
+        return None if kept is None else int(kept.step)
 
     # ---- what the controller reads ------------------------------------------------------------
     def poll(self) -> dict[str, Any]:

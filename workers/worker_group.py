@@ -1,17 +1,15 @@
-"""The ranks of one job as a group: the interface the controller drives, and its Ray version.
-
-`WorkerGroup` is what the controller's state machine talks to (after Ray Train v2): read the
-topology, gang-reserve a placement, start the ranks, poll them, shut them down. Tests drive the
-state machine against a dummy implementation one transition at a time; `RayWorkerGroup` is the
-real one: one placement group per job, one `RankActor` per bundle.
+"""The ranks of one job as a group on Ray: `RayWorkerGroup`, the real `WorkerGroup`
+(workers.group_interface: what the controller's state machine talks to, after Ray Train v2). One
+placement group per job, one `RankActor` per bundle; a replaced rank may take a hot spare
+(workers.spares) or move off an unusable node (workers.relocate), and the survivors may hand it
+their state (workers.recovery_path).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -19,112 +17,24 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from training.config.run import RunConfig
+from workers import recovery_path
+from workers.group_interface import (
+    GroupStatus,
+    RankStatus,
+    WorkerGroup,
+    WorkerGroupError,
+    WorkerGroupStartupError,
+)
 from workers.logs import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, LogTarget, job_logs_dir, new_attempt
 from workers.names import placement_group_name
-from workers.placement import Placement, PlacementError, RankPlacement, release, reserve
+from workers.placement import NODE_ID_LABEL, Placement, PlacementError, RankPlacement, release, reserve
 from workers.rank import DEFAULT_TRAIN_FN, RankActor
+from workers.recovery_path import RecoveryPath
+from workers.relocate import relocate
+from workers.spares import JobSpares
 from workers.topology import Topology
 
 log = logging.getLogger(__name__)
-
-# idle/running/finished/failed come from the actor; dead/unresponsive from the group's view of it.
-RANK_STATES = ("idle", "running", "finished", "failed", "dead", "unresponsive")
-
-
-class WorkerGroupError(RuntimeError):
-    pass
-
-
-class WorkerGroupStartupError(WorkerGroupError):
-    """Rank actors could not be created, did not report in, or the rendezvous failed."""
-
-
-@dataclass
-class RankStatus:
-    rank: int
-    state: str
-    events: list[dict[str, Any]] = field(default_factory=list)
-    since_progress_s: float = 0.0  # seconds since the rank's training thread last made progress
-    stepped: bool = False  # has completed at least one step in this attempt
-    step: int | None = None
-    result: dict[str, Any] | None = None
-    error: str | None = None
-    dropped: int = 0
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> RankStatus:
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
-
-
-@dataclass
-class GroupStatus:
-    ranks: dict[int, RankStatus]
-
-    def in_state(self, *states: str) -> list[int]:
-        return sorted(r for r, s in self.ranks.items() if s.state in states)
-
-    @property
-    def all_finished(self) -> bool:
-        return bool(self.ranks) and all(s.state == "finished" for s in self.ranks.values())
-
-
-class WorkerGroup(ABC):
-    """What the controller needs from 'the ranks of this job'."""
-
-    @abstractmethod
-    def topology(self, health: Mapping[str, str], cordoned: Collection[str]) -> Topology:
-        """The cluster now, with the given health ledger merged in."""
-
-    @abstractmethod
-    def reserve(self, placement: Placement) -> None:
-        """Gang-reserve every rank's GPU; raises PlacementError (ReservationTimeout) if not granted."""
-
-    @abstractmethod
-    def start(
-        self, run_cfg: RunConfig, *, resume: bool, faults: Sequence[Mapping[str, Any]] = (),
-        restore_steps: Collection[int] | None = None,
-    ) -> list[RankPlacement]:
-        """Create the ranks in the reservation, rendezvous, launch training. Returns where each
-        rank really runs. `faults` ({"kind", "rank", "at_step", ...}) are armed before training
-        starts (fault injection); `restore_steps` limits the checkpoints the ranks may resume
-        from (the verified ones; None = any valid one). Raises WorkerGroupStartupError."""
-
-    @abstractmethod
-    def poll(self) -> GroupStatus:
-        """Events since the last poll and a heartbeat from every rank."""
-
-    @abstractmethod
-    def shutdown(self) -> None:
-        """End the ranks and release the reservation; idempotent."""
-
-    def inject_fault(self, kind: str, rank: int, at_step: int, **params: Any) -> None:
-        """Schedule a rank-level fault (fault injection). Optional for implementations."""
-        raise NotImplementedError(f"{type(self).__name__} does not inject faults")
-
-    def replace_ranks(
-        self, ranks: Sequence[int], run_cfg: RunConfig, *, faults: Sequence[Mapping[str, Any]] = (),
-        restore_steps: Collection[int] | None = None,
-    ) -> list[RankPlacement]:
-        """The recovery fast path: keep the other ranks' processes, start new ones for `ranks` in their
-        reservation slots, rendezvous again on a new port and resume everyone. Raises
-        WorkerGroupError when it cannot (the caller falls back to a full restart)."""
-        raise WorkerGroupError(f"{type(self).__name__} cannot replace single ranks")
-
-    def kill_ranks_on_node(self, node_name: str) -> list[int]:
-        """End every rank process on `node_name` (a node death without a cluster to remove it from)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot kill ranks")
-
-    def node_alive(self, node_name: str) -> bool:
-        """Does the cluster still see this node alive (default: assume so)?"""
-        return True
-
-    def request_action(self, action: str) -> None:  # noqa: B027 - an optional hook that may do nothing
-        """Ask every rank for 'checkpoint' / 'stop' / 'checkpoint_and_stop' at the next step."""
-
-    def dump_collectives(self) -> None:  # noqa: B027 - an optional hook that may do nothing
-        """Ask every live rank to write its flight recorder into the job's folder
-        (workers.collective_trace)."""
-
 
 RemoteRankActor = ray.remote(RankActor)
 
@@ -146,7 +56,11 @@ class RayWorkerGroup(WorkerGroup):
         should_stop: Callable[[], bool] | None = None,
         log_max_bytes: int = DEFAULT_MAX_BYTES,
         log_backups: int = DEFAULT_BACKUPS,
+        spares: int = 0,
+        spare_exclude: Callable[[], Collection[str]] | None = None,
     ) -> None:
+        """`spares`: warm spare rank actors kept while the ranks run (workers.spares); `spare_exclude`:
+        the nodes no spare may be on or come from now (quarantined, dead, cordoned)."""
         self.job_id = job_id
         self.log_max_bytes, self.log_backups = log_max_bytes, log_backups
         self.cpus_per_rank = cpus_per_rank
@@ -158,12 +72,17 @@ class RayWorkerGroup(WorkerGroup):
         self.train_fn = train_fn
         self.flops_per_token = flops_per_token
         self.env_vars = {"OMP_NUM_THREADS": "1", **(env_vars or {})}
+        self._spares = JobSpares(job_id, spares, RemoteRankActor, cpus=cpus_per_rank, env_vars=self.env_vars,
+                                 exclude=spare_exclude, timeout_s=start_timeout_s)
         self._should_stop = should_stop or (lambda: False)
         self._pg: Any = None
         self._placement: Placement | None = None
         self._actors: list[Any] = []
         self._where: list[RankPlacement] = []
         self._attempt = 0
+        # Ranks moved off an unusable node (workers.relocate): their new reservation, one bundle each.
+        self._slots: dict[int, Any] = {}
+        self._moving: dict[int, Any] = {}  # rank -> the NodeInfo it moves to (reserved on first use)
 
     # ---- topology / reservation ------------------------------------------------------------------
     def topology(self, health: Mapping[str, str], cordoned: Collection[str]) -> Topology:
@@ -207,23 +126,62 @@ class RayWorkerGroup(WorkerGroup):
         return actual
 
     def _new_actor(self, r: RankPlacement, world: int) -> Any:
+        pg, index = self._slot(r.rank)
         return RemoteRankActor.options(
             num_gpus=1,
             num_cpus=self.cpus_per_rank,
             max_concurrency=4,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self._pg, placement_group_bundle_index=r.rank
+                placement_group=pg, placement_group_bundle_index=index
             ),
             runtime_env={"env_vars": dict(self.env_vars)},
         ).remote(self.job_id, r.rank, world, {"pp": r.pp, "dp": r.dp, "cp": r.cp, "tp": r.tp})
 
+    def _slot(self, rank: int) -> tuple[Any, int]:
+        """Where rank `rank`'s actor goes: its bundle in the job's placement group, or, once moved off
+        an unusable node, a one-bundle group pinned to its new node (reserved here on first use)."""
+        node = self._moving.pop(rank, None)
+        if node is not None:
+            from ray.util.placement_group import placement_group, remove_placement_group
+
+            self._attempt += 1
+            bundle = {"GPU": 1.0, **({"CPU": float(self.cpus_per_rank)} if self.cpus_per_rank > 0 else {})}
+            name = placement_group_name(self.job_id, self._attempt)
+            pg = placement_group([bundle], strategy="PACK", name=name,
+                                 bundle_label_selector=[{NODE_ID_LABEL: node.node_id}])
+            if not pg.wait(timeout_seconds=self.reserve_timeout_s):
+                remove_placement_group(pg)
+                raise WorkerGroupError(f"rank {rank}: no GPU granted on {node.name} within "
+                                       f"{self.reserve_timeout_s:.0f}s to move it to")
+            old = self._slots.get(rank)
+            if old is not None:
+                release(old)
+            self._slots[rank] = pg
+        pg = self._slots.get(rank)
+        return (pg, 0) if pg is not None else (self._pg, rank)
+
+    def _fresh_actor(self, r: RankPlacement, world: int) -> Any:
+        """An actor for rank `r` that replaces a lost one: a warm spare that fits (workers.spares), else
+        a new actor in r's bundle."""
+        return self._spares.fresh(r, world, self._where, lambda: self._new_actor(r, world))
+
+    def describe_spares(self) -> list[dict[str, Any]]:
+        return self._spares.describe()
+
+    def replacement_info(self) -> dict[str, Any]:
+        return self._spares.replacement_info(self.poll_timeout_s)
+
     def launch(
-        self, run_cfg: RunConfig, *, resume: bool, restore_steps: Collection[int] | None = None
+        self, run_cfg: RunConfig, *, resume: bool, restore_steps: Collection[int] | None = None,
+        peer: RecoveryPath | None = None,
     ) -> None:
-        """Rendezvous on rank 0's address (a fresh port each time) and start training on every rank."""
+        """Rendezvous on rank 0's address (a fresh port each time) and start training on every rank
+        (from the DP peers' memory when `peer` is a peer path, else from a checkpoint)."""
         if not self._actors:
             raise WorkerGroupStartupError("launch() before spawn()")
         steps = None if restore_steps is None else sorted(restore_steps)
+        plan = ({"step": peer.step, "sources": dict(peer.sources)}
+                if peer is not None and peer.path == "peer" else None)
         logs = self._log_target(run_cfg)
         try:
             addr, port = ray.get(self._actors[0].rendezvous.remote(), timeout=self.start_timeout_s)
@@ -233,6 +191,7 @@ class RayWorkerGroup(WorkerGroup):
                         addr, port, run_cfg, resume=resume, train_fn=self.train_fn,
                         flops_per_token=self.flops_per_token, rendezvous_timeout_s=self.rendezvous_timeout_s,
                         collective_timeout_s=self.collective_timeout_s, restore_steps=steps, log_target=logs,
+                        peer=plan,
                     )
                     for a in self._actors
                 ],
@@ -269,16 +228,33 @@ class RayWorkerGroup(WorkerGroup):
         self._arm(faults)
         self.launch(run_cfg, resume=resume, restore_steps=restore_steps)
         self._where = actual
+        self._spares.fill(actual)
         return actual
 
     def replace_ranks(
         self, ranks: Sequence[int], run_cfg: RunConfig, *, faults: Sequence[Mapping[str, Any]] = (),
-        restore_steps: Collection[int] | None = None,
+        restore_steps: Collection[int] | None = None, allow_peer: bool = True,
+        avoid_nodes: Collection[str] = (), prefer_avoid: Collection[str] = (),
     ) -> list[RankPlacement]:
+        """Replace the lost `ranks`, keeping the others' processes; everyone resumes from the DP
+        peers' memory when they can (`last_recovery` says which path and why), else the checkpoint.
+        Lost ranks on `avoid_nodes` (dead, quarantined, cordoned) move to other nodes, TP groups whole;
+        so do those on `prefer_avoid` nodes (suspects) when there is room elsewhere."""
         if self._pg is None or self._placement is None or not self._actors:
             raise WorkerGroupError("no running group to repair")
         placement, world = self._placement, self._placement.world_size
         doomed = set(ranks)
+        if avoid_nodes or prefer_avoid:  # ranks on unusable nodes move, TP groups whole (workers.relocate)
+            topology = Topology.from_ray(include_dead=False)
+            try:
+                try:
+                    moves = relocate(doomed, self._where, {*avoid_nodes, *prefer_avoid}, topology)
+                except PlacementError:  # the preferred ones are usable after all
+                    moves = relocate(doomed, self._where, avoid_nodes, topology)
+            except PlacementError as e:
+                raise WorkerGroupError(f"fast path: {e}") from e
+            doomed |= moves.partners
+            self._moving = dict(moves.moves)
         for r in doomed:  # a hung rank is still alive: end it, which also frees its peers' collectives
             try:
                 ray.kill(self._actors[r], no_restart=True)
@@ -286,26 +262,42 @@ class RayWorkerGroup(WorkerGroup):
                 log.debug("kill rank %d: %s", r, e)
         survivors = [r for r in range(world) if r not in doomed]
         try:
-            for r in doomed:
-                self._actors[r] = self._new_actor(placement.ranks[r], world)
+            for r in sorted(doomed):
+                self._actors[r] = self._fresh_actor(placement.ranks[r], world)
             timeout = self.start_timeout_s
             resets = [self._actors[r].reset.remote() for r in survivors]  # while the new ones start
             where = ray.get([self._actors[r].where.remote() for r in sorted(doomed)], timeout=timeout)
             done = ray.get(resets, timeout=timeout)
         except (RayActorError, GetTimeoutError, ActorUnavailableError) as e:
             raise WorkerGroupError(f"fast path: replacement ranks did not start: {e}") from e
+        finally:
+            self._moving = {}  # taken by a spare, or not reached: nothing left reserved for it
         stuck = [r for r, ok in zip(survivors, done, strict=True) if not ok]
         if stuck:
             raise WorkerGroupError(f"fast path: ranks {stuck} are still inside the failed step")
+        path = dataclasses.replace(self._recovery_path(run_cfg, placement, doomed, survivors, allow_peer),
+                                   lost=tuple(sorted(doomed)))
         actual = {r.rank: r for r in self._where}
         for r, w in zip(sorted(doomed), where, strict=True):
             i = placement.ranks[r]
             actual[r] = RankPlacement(rank=r, pp=i.pp, dp=i.dp, cp=i.cp, tp=i.tp, node_id=w["node_id"],
                                       node_name=w["node_name"], rack=w["rack"], gpu=w["gpu"])
         self._arm(faults, doomed)
-        self.launch(run_cfg, resume=True, restore_steps=restore_steps)
+        self.last_recovery = path
+        self.launch(run_cfg, resume=True, restore_steps=restore_steps, peer=path)
         self._where = [actual[r] for r in sorted(actual)]
         return list(self._where)
+
+    def _recovery_path(self, run_cfg: RunConfig, placement: Placement, lost: Collection[int],
+                       survivors: Sequence[int], allow_peer: bool) -> RecoveryPath:
+        """Peer or checkpoint (workers.recovery_path), from the step each survivor kept."""
+        if not allow_peer or run_cfg.peer_recovery_blocker() is not None:
+            return recovery_path.choose(run_cfg, placement.ranks, lost, {}, enabled=allow_peer)
+        try:
+            kept = ray.get([self._actors[r].kept.remote() for r in survivors], timeout=self.poll_timeout_s)
+        except (RayActorError, GetTimeoutError, ActorUnavailableError) as e:
+            return RecoveryPath("checkpoint", f"could not ask the survivors what they kept: {e}")
+        return recovery_path.choose(run_cfg, placement.ranks, lost, dict(zip(survivors, kept, strict=True)))
 
     def kill_ranks_on_node(self, node_name: str) -> list[int]:
         killed = [r.rank for r in self._where if r.node_name == node_name]
@@ -382,8 +374,12 @@ class RayWorkerGroup(WorkerGroup):
         self._actors = []
         self._where = []
         release(self._pg)
+        for pg in self._slots.values():
+            release(pg)
+        self._slots, self._moving = {}, {}
         self._pg = None
         self._placement = None
+        self._spares.shutdown()
 
 
 __all__ = [

@@ -32,6 +32,7 @@ from service.settings import Settings
 from service.store import tenants as tenant_store
 from service.store.db import read_phase
 from service.store.models import Job, JobState, Tenant
+from training.config.layout import Layout
 
 if TYPE_CHECKING:
     from service.planner.efficiency import HardwareProfile
@@ -122,6 +123,7 @@ def submit_job(
     session.commit()  # end the read before planning: no transaction (nor lock) held while it plans
     plan = plan_job(spec, settings, profile)
     check_plan_fits(spec, plan)
+    check_elastic_bounds(spec, plan)
     stored = spec.canonical()
     if spec.data.kind == "tokens" and spec.data.path:  # the ranks open the resolved path, never the user's
         dtype = getattr(spec.data, "dtype", "uint16")
@@ -212,6 +214,15 @@ def check_plan_fits(spec: JobSpec, plan: dict[str, Any]) -> None:
         f"the plan does not fit: {reason}; change the layout or resources "
         "(an admin may set allow_unfit: true)",
     )
+
+
+def check_elastic_bounds(spec: JobSpec, plan: dict[str, Any]) -> None:
+    """An elastic job cannot need more GPUs than its plan: `fault_tolerance.min_gpus` <= its world size."""
+    ft = spec.fault_tolerance
+    world = Layout.from_dict(plan["layout"]).world_size if plan.get("layout") else None
+    if ft.min_gpus is not None and world is not None and ft.min_gpus > world:
+        raise _field_error(InvalidRequest, "fault_tolerance.min_gpus",
+                           f"{ft.min_gpus} is more than the {world} GPUs of the job's plan")
 
 
 def _field_error(kind: type[LatticeError], field: str, message: str) -> LatticeError:

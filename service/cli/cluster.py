@@ -1,5 +1,6 @@
-"""`lattice cluster status|cordon NODE|uncordon NODE|drain NODE`: the cluster as `GET /v1/cluster` shows it,
-and an admin's cordon and uncordon of a node through the API. `lattice cluster up|down`: the shared
+"""`lattice cluster status|cordon NODE|uncordon NODE|drain NODE`: the cluster as `GET /v1/cluster` shows it
+(nodes, the elected scheduler, the hardware profile of each node type), and an admin's cordon and
+uncordon of a node through the API. `lattice cluster up|down`: the shared
 embedded cluster (workers.shared_cluster) that every role on this machine joins when
 LATTICE_RAY_ADDRESS is unset."""
 
@@ -45,28 +46,67 @@ def cluster_table(cluster: dict[str, Any], wide: bool) -> Table:
     return table
 
 
+def scheduler_line(scheduler: dict[str, Any] | None) -> str:
+    """The elected scheduler as GET /v1/cluster reports it (its lease in the store)."""
+    if not scheduler:
+        return "scheduler: not reported by this server"
+    if scheduler.get("leader") is None:
+        term = scheduler.get("term") or 0
+        return "scheduler: no leader" + (f" (last term {term})" if term else " (none elected yet)")
+    return f"scheduler: leader {scheduler['leader']}, term {scheduler['term']}, since {scheduler['since']}"
+
+
+def _num(v: float) -> str:
+    """3 significant digits, without an exponent for the magnitudes profiles have (3900, not 3.9e+03)."""
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def profiles_table(profiles: list[dict[str, Any]], wide: bool) -> Table:
+    """The newest hardware profile of each node type (`lattice calibrate`, or the scheduler's
+    background calibration): what plans on that node type use."""
+    names = ["NODE TYPE", "VERSION", "DTYPE", "MATMUL TFLOP/S", "MEMORY GB/S", "ALL-REDUCE"]
+    if wide:
+        names += ["BACKEND", "CREATED"]
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for name in names:
+        table.add_column(name, overflow="fold", no_wrap=name in ("VERSION", "DTYPE"))
+    for p in profiles:
+        mm = ", ".join(f"{d} {_num(v)}" for d, v in p["matmul_tflops"].items()) or "-"
+        ar = p.get("all_reduce")
+        row = [p["node_type"], f"v{p['version']}", p["compute_dtype"], mm, _num(p["memory_gbps"]),
+               f"{_num(ar['gbps'])} GB/s + {_num(ar['latency_us'])} us" if ar else "-"]
+        if wide:
+            row += [p.get("backend") or "-", p.get("created_at") or "-"]
+        table.add_row(*row)
+    return table
+
+
 @one_line_errors
 def cluster_status(ctx: typer.Context, output: OutputOption = Output.table) -> None:
-    """Show racks, nodes, free GPUs and health (GPUS is free/total with a live view)."""
+    """Show the shared embedded cluster, the elected scheduler, racks, nodes, free GPUs and health
+    (GPUS is free/total with a live view), and the hardware profile of each node type."""
     if output is not Output.json:
         out.print(shared_cluster_line(), highlight=False, soft_wrap=True)
     cluster = client_for(ctx).request("GET", "/v1/cluster")
     if output is Output.json:
         print_json(cluster)
         return
+    wide = output is Output.wide
     free = cluster["gpus_free"]
     out.print(
         f"{cluster['source']} view, {cluster['gpu_type']}: {_gpus(free, cluster['gpus_total'])} GPUs"
         + ("" if free is None else " free") + f" on {len(cluster['nodes'])} nodes",
         highlight=False,
     )
-    print_table(cluster_table(cluster, output is Output.wide), output is Output.wide)
-    for p in cluster.get("profiles") or []:
-        mm = ", ".join(f"{d} {v:.3g} TFLOP/s" for d, v in p["matmul_tflops"].items())
-        ar = p.get("all_reduce")
-        link = f", all-reduce {ar['gbps']:.3g} GB/s + {ar['latency_us']:.3g} us" if ar else ""
-        out.print(f"profile {p['node_type']} v{p['version']}: matmul {mm}, memory {p['memory_gbps']:.3g} GB/s"
-                  f"{link}", highlight=False, soft_wrap=True)  # fmt: skip
+    out.print(scheduler_line(cluster.get("scheduler")), highlight=False, soft_wrap=True)
+    print_table(cluster_table(cluster, wide), wide)
+    profiles = cluster.get("profiles") or []
+    if not profiles:
+        out.print("hardware profiles: none yet (plans use the catalogue's curves; `lattice calibrate` "
+                  "measures one)", highlight=False, soft_wrap=True)
+        return
+    out.print("hardware profiles (newest per node type):", highlight=False)
+    print_table(profiles_table(profiles, wide), wide)
 
 
 def _set_cordon(ctx: typer.Context, node: str, action: str) -> None:

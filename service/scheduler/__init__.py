@@ -14,7 +14,9 @@ API calls `wake()`). A tick:
    tenant furthest below its weighted share first, then priority, then age; backfill that does not
    delay the head of the line) when their layout fits the free capacity; a job that waits stays
    queued with the reason as an event (once per distinct reason: "quota: 8 of 8 GPUs in use");
-5. updates the Prometheus metrics (`observer`).
+5. updates the Prometheus metrics (`observer`);
+6. starts, in the background, the calibration of each node type without a hardware profile
+   (`autocalibrate`, LATTICE_AUTO_CALIBRATE).
 
 Cancel is the API's `transition(... cancelled)` followed by `cancel(job_id)`: the next tick asks
 the controller to tear down its ranks and placement group. `start()` reconciles first

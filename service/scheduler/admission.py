@@ -34,6 +34,8 @@ from service.store.models import ACTIVE_STATES, Job, JobState
 from service.store.profiles import profile_for
 from training.config.layout import Layout
 from workers.client import ControllerOptions
+from workers.controller.elastic import elastic_policy
+from workers.policies import ScalingPolicy
 from workers.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -189,6 +191,18 @@ def plan_for_live_cluster(spec_doc: Mapping[str, Any], plan: Mapping[str, Any] |
         return None, f"no feasible plan for the live cluster ({settings.gpu_type}): {e}"
 
 
+def scaling_policy(spec: JobSpec, plan: Mapping[str, Any] | None) -> ScalingPolicy | None:
+    """An elastic job's controller shrinks when capacity is short and grows back when it returns
+    (workers.controller.elastic), between min_gpus and max_gpus (unset: the world size planned before
+    any replan); None (hold the layout) otherwise."""
+    ft = spec.fault_tolerance
+    if not ft.elastic:
+        return None
+    planned = (plan or {}).get("planned_layout") or (plan or {}).get("layout")
+    max_gpus = ft.max_gpus or (Layout.from_dict(planned).world_size if planned else None)
+    return elastic_policy(ft.min_gpus, max_gpus)
+
+
 def controller_options(settings: Settings, spec: JobSpec, seq: int, reached_step: int,
                        defaults: Mapping[str, Any]) -> ControllerOptions:
     """The job's controller options: its hang timeout, the faults still ahead of `reached_step`
@@ -205,6 +219,7 @@ def controller_options(settings: Settings, spec: JobSpec, seq: int, reached_step
         "flops_per_token": flops_per_token(model, model.seq_len),
         "log_max_bytes": settings.rank_log_max_bytes,
         "log_backups": settings.rank_log_backups,
+        "spares": settings.spares_per_job if (n := spec.fault_tolerance.spares) is None else n,
         **defaults,
     }
     fields["first_seq"] = seq  # events continue the job's numbering whatever the defaults say

@@ -212,7 +212,8 @@ def store_controller_event(s: Session, job: Job, event: Mapping[str, Any]) -> No
             _mark_checkpoint(s, job.id, step, False)  # a damaged checkpoint is never restored
     elif kind == EventKind.REPLANNED and isinstance(event.get("new_layout"), dict) and job.plan:
         # The controller re-planned for the capacity left; a later recovery must use the new layout.
-        plan = {**job.plan, "layout": event["new_layout"], "replanned_from": event.get("old_layout")}
+        plan = {**job.plan, "layout": event["new_layout"], "replanned_from": event.get("old_layout"),
+                "planned_layout": job.plan.get("planned_layout") or job.plan.get("layout")}  # growing back
         store.set_plan(s, job.id, plan, reason=str(event.get("message") or "replanned by the controller"))
         s.refresh(job)
     elif kind in (EventKind.NODE_SUSPECT, EventKind.NODE_QUARANTINED) and event.get("node"):

@@ -15,6 +15,7 @@ from service import metrics, store
 from service.errors import ConcurrentUpdate, IllegalTransition, NotLeader
 from service.scheduler import admission, reconcile
 from service.scheduler.attached import Attached, held_gpus
+from service.scheduler.autocalibrate import AutoCalibrator, from_settings
 from service.scheduler.cluster import free_view, sync_nodes
 from service.scheduler.ingest import PLACED_STATES, write_snapshot
 from service.scheduler.leader import LeaderElector, Leadership
@@ -61,6 +62,7 @@ class Scheduler:
         interval_s: float | None = None,
         poll_timeout_s: float = 10.0,
         leader: LeaderElector | None = None,
+        calibrator: AutoCalibrator | None = None,
     ) -> None:
         self.settings = settings
         # With an elector, the loop acts only while this process holds the lease, and session_factory
@@ -76,6 +78,8 @@ class Scheduler:
         self._cancels: set[str] = set()
         self._waiting = admission.WaitingNotes(session_factory, self._rsf)
         self._preemptor = Preemptor(session_factory, self._rsf, settings.preempt_notice_dir, poll_timeout_s)
+        # Node types without a hardware profile are calibrated in the background (LATTICE_AUTO_CALIBRATE).
+        self.calibrator = calibrator or from_settings(settings, session_factory, self._rsf)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -111,6 +115,10 @@ class Scheduler:
     def cluster_view(self) -> tuple[Topology | None, ClusterLedger | None]:
         """The live topology (health merged) and the ledger as of the last tick."""
         return self._topology, self._ledger
+
+    def spares_view(self) -> list[dict[str, Any]]:
+        """The attached jobs' hot spares (workers.spares) as of their last snapshots."""
+        return [dict(s) for a in list(self._attached.values()) for s in a.metrics.spares]
 
     def attached_jobs(self) -> list[str]:
         return sorted(self._attached)
@@ -187,6 +195,8 @@ class Scheduler:
         self._schedule(topology)
         with self._rsf() as s:
             observe_queue(store.count_jobs_by_state(s))
+        if self.calibrator.enabled:  # starts a background calibration per new node type, never waits
+            self.calibrator.tick(free_view(topology, held_gpus(self._attached.values())))
 
     # ---- reconcile ---------------------------------------------------------------------------------
     def reconcile(self) -> None:
@@ -393,6 +403,7 @@ class Scheduler:
             options = admission.controller_options(self.settings, spec, seq, reached_step,
                                                    self._controller_defaults)
             controller = start_controller(job_id, run_cfg, options=options, failure_policy=policy,
+                                          scaling_policy=admission.scaling_policy(spec, job.plan),
                                           health=dict(ledger.health), cordoned=sorted(ledger.cordoned))
         except ControllerExists:
             found = find_controller(job_id)

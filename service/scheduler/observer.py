@@ -57,6 +57,7 @@ class JobMetrics:
     job_id: str
     step: int = 0
     failure_cause: str = "unknown"
+    spares: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the last snapshot's
 
     def observe(self, snap: Mapping[str, Any], events: list[dict[str, Any]]) -> None:
         p, labels = snap["progress"], metrics.job_labels(self.job_id)
@@ -76,6 +77,8 @@ class JobMetrics:
         for e in events:
             self._observe_event(labels, e)
         observe_fault_events(self.job_id, events, snap)
+        self.spares = [dict(s) for s in snap.get("spares") or []]
+        observe_spares(labels, self.spares)
 
     def _observe_event(self, labels: tuple[str, str, str], e: Mapping[str, Any]) -> None:
         kind = e["kind"]
@@ -123,8 +126,26 @@ def observe_fault_events(job_id: str, events: Iterable[Mapping[str, Any]],
             metrics.JOB_TIME_TO_DETECT.labels(*labels).observe(ttd)
         elif kind == EventKind.RESUMED and (ttr := _number(e.get("time_to_recover_s"))) is not None:
             metrics.JOB_TIME_TO_RECOVER.labels(*labels).observe(ttr)
-        elif kind == EventKind.RESTORE and (lost := _number(e.get("steps_lost"))):
-            metrics.JOB_STEPS_LOST.labels(*labels).inc(lost)
+        elif kind == EventKind.RESTORE and (lost := _number(e.get("steps_lost"))) is not None:
+            metrics.JOB_STEPS_LOST_PER_FAULT.labels(*labels).observe(lost)
+            if lost:
+                metrics.JOB_STEPS_LOST.labels(*labels).inc(lost)
+        elif kind == EventKind.REPLANNED:
+            metrics.JOB_RECOVERIES.labels(*labels, "replan").inc()
+        elif kind == EventKind.RESTART:
+            metrics.JOB_RECOVERIES.labels(*labels, "peer" if e.get("path") == "peer" else "checkpoint").inc()
+            if (took := _number(e.get("replacement_s"))) is not None:
+                spare = "true" if e.get("spare_used") else "false"
+                metrics.JOB_REPLACEMENT_SECONDS.labels(*labels, spare).observe(took)
+
+
+def observe_spares(labels: tuple[str, str, str], spares: Iterable[Mapping[str, Any]]) -> None:
+    """The job's hot spares by state and the oldest one's age (workers.spares, from its snapshot)."""
+    spares = list(spares)
+    for state in ("starting", "warm"):
+        metrics.JOB_SPARES.labels(*labels, state).set(sum(1 for s in spares if s.get("state") == state))
+    oldest = max((_number(s.get("age_s")) or 0.0 for s in spares), default=0.0)
+    metrics.JOB_SPARE_AGE.labels(*labels).set(oldest)
 
 
 def observe_launch(job_id: str, plan: Mapping[str, Any] | None) -> JobMetrics:

@@ -179,7 +179,29 @@ class FaultTolerancePolicy(StrictModel):
     sdc_check_every: int = Field(
         1, ge=0, le=MAX_COUNT, description="Replica fingerprint check period; 0 = off."
     )
+    spares: int | None = Field(
+        None, ge=0, le=64, description="Warm spare rank actors kept beside the job on healthy nodes outside "
+        "its placement; a lost rank takes one instead of starting cold. Not counted against quotas; "
+        "unset = the service default (LATTICE_SPARES_PER_JOB)."
+    )
     sdc_abft: bool = Field(
         False, description="Checksum every linear, embedding and norm weight gradient before the DP "
         "reduction (catches sign and mantissa flips; a few % of step time)."
     )
+    elastic: bool = Field(
+        False, description="Shrink to a smaller DP when capacity is lost and grow back when it returns, "
+        "at a checkpoint, the global batch kept (docs/fault_tolerance.md)."
+    )
+    min_gpus: int | None = Field(
+        None, ge=1, le=MAX_COUNT, description="Elastic: never shrink below this many GPUs; unset = 1."
+    )
+    max_gpus: int | None = Field(
+        None, ge=1, le=MAX_COUNT, description="Elastic: never grow beyond this many GPUs; unset = the plan's."
+    )
+
+    @model_validator(mode="after")
+    def _elastic_bounds(self) -> FaultTolerancePolicy:
+        if self.min_gpus is not None and self.max_gpus is not None and self.min_gpus > self.max_gpus:
+            raise ValueError(f"fault_tolerance.min_gpus: {self.min_gpus} is more than "
+                             f"fault_tolerance.max_gpus ({self.max_gpus})")
+        return self

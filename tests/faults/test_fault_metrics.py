@@ -33,5 +33,12 @@ def test_fault_events_become_metrics_and_leave_with_the_job() -> None:
     assert _sample("lattice_job_steps_lost_total", job) == 2
     observe_fault_events(job, [{"kind": "restore", "steps_lost": 0}, {"kind": "step"}], None)
     assert _sample("lattice_job_steps_lost_total", job) == 2  # nothing lost, nothing counted
+    assert _sample("lattice_job_steps_lost_per_fault_count", job) == 2  # ...but a fault that lost 0
+    assert _sample("lattice_job_steps_lost_per_fault_sum", job) == 2
+    observe_fault_events(job, [{"kind": "restart", "path": "peer"}, {"kind": "restart", "path": "fast"},
+                               {"kind": "restart", "path": "full"}, {"kind": "replanned"}], None)
+    paths = {s.labels["path"]: s.value for f in metrics.REGISTRY.collect() for s in f.samples
+             if s.name == "lattice_job_recoveries_total" and s.labels.get("job_id") == job}
+    assert paths == {"peer": 1, "checkpoint": 2, "replan": 1}
     metrics.forget_job(job)
     assert f'job_id="{job}"' not in generate_latest(metrics.REGISTRY).decode()

@@ -40,9 +40,12 @@ def test_kill_rank_is_detected_and_only_the_dead_rank_is_replaced(tmp_path):
     assert failure["failure"]["kind"] == "rank_died" and failure["failure"]["ranks"] == [1]
     assert failure["time_to_detect_s"] is not None
     restart = events(snap, "restart")[0]
-    assert restart["path"] == "fast" and restart["replaced"] == [1]
+    # Rank 1's DP peer (rank 0) holds the state of step 3: the replacement takes it, nothing rolls back.
+    assert restart["path"] == "peer" and restart["replaced"] == [1]
+    assert restart["recovery"]["sources"] == {"1": 0} and restart["recovery"]["step"] == 3
     restore = events(snap, "restore")[0]
-    assert (restore["step"], restore["steps_lost"]) == (2, 1)
+    assert (restore["step"], restore["steps_lost"], restore["source"]) == (3, 0, "peers")
+    assert snap["faults"]["steps_lost"] == 0
     assert snap["restarts"] == 1 and snap["faults"]["restarts_by_cause"] == {"rank_died": 1}
     assert events(snap, "resumed")[0]["time_to_recover_s"] is not None
 
@@ -56,7 +59,8 @@ def test_hang_is_attributed_to_the_rank_that_never_entered_the_collective(tmp_pa
     failure = events(snap, "failure")[0]["failure"]
     assert failure["kind"] == "hang" and failure["ranks"] == [0]
     assert failure["evidence"]["waiting_in_collective"] == [1]
-    assert events(snap, "restore")[0]["step"] == 2
+    assert events(snap, "restart")[0]["path"] == "peer"  # the waiting rank kept step 3
+    assert events(snap, "restore")[0]["step"] == 3
 
 
 def test_straggler_is_found_by_its_late_arrivals_and_moved_off_its_node(tmp_path):
@@ -70,7 +74,11 @@ def test_straggler_is_found_by_its_late_arrivals_and_moved_off_its_node(tmp_path
     failure = events(snap, "failure")[0]["failure"]
     assert failure["kind"] == "straggler" and failure["ranks"] == [1]
     assert all(lag["rank"] == 1 and lag["lag_s"] > 0.5 for lag in failure["evidence"]["lags"])
-    assert_kept_off(snap, failure["nodes"][0], "restart")
+    # The straggler moves off its node (its healthy peer keeps its process and its place).
+    restart = events(snap, "restart")[0]
+    assert restart["path"] == "peer" and restart["replaced"] == [1]
+    moved = next(r for r in restart["placement"] if r["rank"] == 1)
+    assert moved["node_name"] != failure["nodes"][0]
 
 
 def test_bitflip_in_one_of_two_replicas_is_attributed_by_rerun_and_its_node_quarantined(tmp_path):
@@ -116,7 +124,8 @@ def test_persistent_flip_with_two_replicas_is_settled_by_a_spare(tmp_path):
 def test_corrupt_checkpoint_is_never_restored(tmp_path):
     cfg = job_cfg(str(tmp_path / "ckpt"))
     faults = ({"kind": "corrupt_checkpoint", "at_step": 4}, {"kind": "kill_rank", "rank": 0, "at_step": 5})
-    snap = run_job("ft-corrupt", cfg, options(*faults))
+    # The peer path would not need the checkpoint at all: the checkpoint path is the one under test.
+    snap = run_job("ft-corrupt", cfg, options(*faults, peer_recovery=False))
     assert_succeeded_like_fault_free(snap, cfg)
     assert_in_order(snap, ["fault_injected", "failure", "attributed", "restart", "restore", "resumed",
                            "finished"])

@@ -30,6 +30,7 @@ from workers.engine_imports import warm_imports
 from workers.names import NAMESPACE, controller_name, head_node_id
 from workers.policies import FailurePolicy, ScalingPolicy
 from workers.referee import RayReferee
+from workers.spares import unusable_nodes
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class JobController:
             should_stop=lambda: self._sm.cancel_requested,
             log_max_bytes=opts.log_max_bytes,
             log_backups=opts.log_backups,
+            spares=opts.spares,
+            spare_exclude=lambda: unusable_nodes(self._sm.attributor.health_view(),
+                                                 self._sm.attributor.cordoned, self._sm.attributor.exclude),
         )
         self._sm = ControllerStateMachine(
             job_id, run_cfg, group, options=opts, failure_policy=failure_policy,

@@ -97,11 +97,10 @@ class Attributor:
                           NodeHealthChange(node, new, count, str(failure.kind)))
 
     def fast_path_ranks(self, failure: Failure) -> list[int]:
-        """Ranks to replace in place, or [] for a full restart."""
-        if not self._fast_path or failure.kind not in (FailureKind.RANK_DIED, FailureKind.HANG):
-            return []
-        bad = self.nodes.in_state("quarantined", "dead") | self.exclude | set(self.cordoned)
-        if not failure.ranks or any(n in bad for n in failure.nodes):
+        """Ranks to replace while the others keep their processes, or [] for a full restart. Ranks
+        on nodes that must not be used again move (the worker group relocates them, TP groups whole)."""
+        kinds = (FailureKind.RANK_DIED, FailureKind.HANG, FailureKind.NODE_DIED, FailureKind.STRAGGLER)
+        if not self._fast_path or failure.kind not in kinds or not failure.ranks:
             return []
         return sorted(failure.ranks)
 

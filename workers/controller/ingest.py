@@ -68,7 +68,7 @@ def _read(c: Controller, rank: int, ev: Mapping[str, Any], world: int, now: floa
     elif kind == EventKind.VERIFIED:
         c.scrubber.ledger.mark_verified(int(ev["step"]))
     elif kind == EventKind.RESTORED and not attempt.restored_seen:
-        _on_restored(c, ev.get("step"))
+        _on_restored(c, ev.get("step"), str(ev.get("source") or "checkpoint"))
     elif kind == EventKind.INTEGRITY_ERROR and attempt.integrity is None:
         # Every rank raises the same agreed error; record it once.
         attempt.integrity = {k: ev.get(k) for k in ("error_kind", "step", "ranks", "evidence")}
@@ -172,7 +172,7 @@ def _on_checkpoint(c: Controller, rank: int, ev: Mapping[str, Any], world: int) 
         c.attempt.ckpt_open = None
 
 
-def _on_restored(c: Controller, step: Any) -> None:
+def _on_restored(c: Controller, step: Any, source: str = "checkpoint") -> None:
     c.attempt.restored_seen = True
     restored = int(step) if isinstance(step, int) else 0
     reached = c.recovery.reached
@@ -184,8 +184,9 @@ def _on_restored(c: Controller, step: Any) -> None:
         lost = max(reached - restored, 0)
         books.clock.lost(lost)
         ledger = c.scrubber.ledger
-        c.log.emit(EventKind.RESTORE, f"restored the verified checkpoint of step {restored}; {lost} step(s) "
-                   "lost", step=restored, steps_lost=lost, verified=sorted(ledger.verified),
+        what = ("the DP peers' state" if source == "peers" else "the verified checkpoint")
+        c.log.emit(EventKind.RESTORE, f"restored {what} of step {restored}; {lost} step(s) lost",
+                   step=restored, steps_lost=lost, source=source, verified=sorted(ledger.verified),
                    corrupt=sorted(ledger.corrupt))
         c.recovery.reached = None
     elif dropped:

@@ -5,9 +5,10 @@ ranks only through a `WorkerGroup` and to the world through policies and injecte
 drive it one transition at a time against a dummy group. `snapshot(since_seq)` is all the service
 reads. Fault handling is delegated to owned collaborators: detection (`detection`), attribution and
 the node ledger (`Attributor`), injection (`FaultInjector`), checkpoint scrubbing
-(`CheckpointScrubber`); the ranks' reports are read by `ingest`. The fast path replaces only the
-failed ranks, otherwise every rank is re-placed; either way they restore the last *verified*
-checkpoint. `workers.controller.actor.JobController` runs this loop in a Ray actor.
+(`CheckpointScrubber`); the ranks' reports are read by `ingest`; a restart is `recovering`'s: the fast
+path replaces only the lost ranks (from their DP peers' memory when it can, else the last *verified*
+checkpoint), otherwise every rank is re-placed. `workers.controller.actor.JobController` runs this
+loop in a Ray actor.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 from training.config.run import RunConfig
 from workers.collective_trace import annotate_hang
-from workers.controller import classify, detection, ingest, preempt
+from workers.controller import classify, detection, elastic, ingest, preempt, recovering
 from workers.controller.attempt import Attempt
 from workers.controller.attribution import Attributor, Referee
 from workers.controller.eventlog import EventLog
@@ -30,7 +31,7 @@ from workers.controller.options import ControllerOptions
 from workers.controller.records import Clocks, FaultBooks, JobRecord, PlacementRetry, Policies, Recovery
 from workers.controller.scrub import CheckpointOps, CheckpointScrubber
 from workers.controller.state import JOB_STATE, ControllerState, Transition
-from workers.events import EventKind, FailureReport, Placed, Restart, StateChange
+from workers.events import EventKind, FailureReport, Placed, StateChange
 from workers.fault_ledger import CheckpointLedger, StragglerWatch
 from workers.placement import PlacementError, place
 from workers.policies import (
@@ -98,6 +99,7 @@ class ControllerStateMachine:
         self.injector = FaultInjector(opts.faults, worker_group, self.log, self.books.clock, self.scrubber,
                                       wall_clock, node_killer)
         self.preemption: preempt.PreemptNotice | None = None  # a notice (workers.controller.preempt)
+        self.growth = elastic.setup(self.policies.scaling, run_cfg.layout)  # growing back (elastic jobs)
 
     # ---- the loop body ---------------------------------------------------------------------------
     def step(self) -> Transition | None:
@@ -268,6 +270,8 @@ class ControllerStateMachine:
             return self._on_failure(failure)
         if self.preemption is not None and (stopped := preempt.on_poll(self, status, now)) is not None:
             return stopped
+        if self.growth is not None and (grown := elastic.on_poll(self, status, now)) is not None:
+            return grown
         if status.all_finished:
             result = self.job.result = ingest.final_result(self, status)
             self.wg.shutdown()
@@ -293,6 +297,8 @@ class ControllerStateMachine:
         fails the job blaming nobody, an unknown one restarts blaming nobody, an infrastructure
         fault restarts and counts against its nodes; the crash-loop breaker overrides a restart."""
         self.recovery.failure = failure
+        if self.recovery.peer_step is not None and not self.attempt.stepped:
+            self.recovery.peer_failed = True  # the peer transfer itself may be at fault
         attributor = self.attributor
         if failure.kind == FailureKind.STRAGGLER and self.options.straggler_action == "report":
             self.log.emit(EventKind.STRAGGLER, failure.message, failure=failure.to_dict())
@@ -332,37 +338,7 @@ class ControllerStateMachine:
         return self._to(ControllerState.RECOVERING, decision.reason)
 
     def _on_recovering(self) -> Transition:
-        job, recovery = self.job, self.recovery
-        self.injector.expire(job.progress["step"] or 0)
-        job.restarts += 1
-        recovery.resume = True
-        cause = str(recovery.failure.kind) if recovery.failure else "unknown"
-        self.scrubber.scrub_on_disk(self.run_cfg.checkpoint.dir)
-        expected = self.scrubber.expected_restore()
-        common = {"restarts": job.restarts, "cause": cause, "restore_step": expected,
-                  "restore_steps": sorted(self.restore_steps() or []),
-                  "exclude_nodes": sorted(self.attributor.exclude)}
-        if recovery.fast_ranks:
-            ranks, recovery.fast_ranks = recovery.fast_ranks, []
-            try:
-                actual = self.wg.replace_ranks(ranks, self.run_cfg, faults=list(self.injector.pending),
-                                               restore_steps=self.restore_steps())
-            except (WorkerGroupError, PlacementError) as e:
-                self.log.emit(EventKind.FAST_PATH_FAILED,
-                              f"replacing ranks {ranks} failed, restarting all: {e}")
-            else:
-                self.books.clock.restarted(cause, "fast")
-                job.placement = [r.to_dict() for r in actual]
-                self._begin_attempt(actual)
-                self.log.emit(EventKind.RESTART, f"restart {job.restarts} (fast path): replaced ranks "
-                              f"{ranks}, the others kept their processes; resuming from step {expected}",
-                              Restart(path="fast", replaced=ranks, placement=job.placement, **common))
-                return self._to(ControllerState.RUNNING, "ranks replaced")
-        self.wg.shutdown()
-        self.books.clock.restarted(cause, "full")
-        self.log.emit(EventKind.RESTART, f"restart {job.restarts}: re-placing every rank, resuming from step "
-                      f"{expected}", Restart(path="full", **common))
-        return self._to(ControllerState.PLACING, "re-placing after a failure")
+        return recovering.recover(self)
 
     _handlers: dict[ControllerState, Callable[[ControllerStateMachine], Transition | None]] = {
         ControllerState.INIT: _on_init,
@@ -428,6 +404,7 @@ class ControllerStateMachine:
                 "quarantined_nodes": self.quarantined_nodes,
                 "node_health": dict(self.attributor.nodes.health),
                 "faults": self.fault_stats(),
+                "spares": self.wg.describe_spares(),  # workers.spares: job, node, rack, state, age_s
             }
 
     def fault_stats(self) -> dict[str, Any]:

@@ -33,6 +33,7 @@ class ControllerOptions:
     log_max_bytes: int = DEFAULT_MAX_BYTES  # each rank's log file per attempt (workers.logs)...
     log_backups: int = DEFAULT_BACKUPS  # ...and the rotated files kept beside it
     fast_path: bool = True  # replace only dead/hung ranks, keeping the others' processes
+    peer_recovery: bool = True  # ...from their DP peers' memory when they can (workers.recovery_path)
     quarantine_after: int = 3  # faults on one node before it is quarantined...
     quarantine_jobs: int = 2  # ...from this many different jobs (this controller sees one: never)
     crash_loop_attempts: int = 3  # fail a job with no new completed step in this many attempts in a row
@@ -42,6 +43,7 @@ class ControllerOptions:
     straggler_action: str = "restart"  # "restart" (off its node) or "report"
     failure_grace_s: float = 5.0  # ranks failed while others are unresponsive: wait this long to blame
     referee: bool = True  # DP = 2 replicas disagreeing persistently: replay the step on a spare
+    spares: int = 0  # warm spare rank actors kept while the job runs (workers.spares)
 
     @property
     def collective_timeout_s(self) -> float:

@@ -42,6 +42,8 @@ class Recovery:
     fast_ranks: list[int] = field(default_factory=list)  # ranks the fast path replaces ([]: full restart)
     reached: int | None = None  # the step the job had reached when the failure was detected
     straggler: dict[str, Any] | None = None  # a straggler found, not yet handled
+    peer_step: int | None = None  # the last restart came from the DP peers' state of this step...
+    peer_failed: bool = False  # ...and that attempt failed before a step: use the checkpoint next
 
 
 @dataclass

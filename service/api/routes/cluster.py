@@ -70,6 +70,15 @@ class SchedulerPublic(BaseModel):
     term: int = Field(description="The leader's term: +1 on every change of leader (0: never elected).")
 
 
+class SparePublic(BaseModel):
+    job: str | None = Field(description="The job the spare is kept for (admin tokens only; null for user "
+                            "tokens: it can name other tenants' jobs).")
+    node: str
+    rack: str | None = None
+    state: Literal["starting", "warm"] = Field(description="starting: imports under way; warm: ready.")
+    age_s: float = Field(description="Seconds since the spare was started.")
+
+
 class ClusterPublic(BaseModel):
     source: Literal["live", "store"] = Field(
         description="live: the scheduler's view of the Ray cluster; store: the nodes table only."
@@ -82,6 +91,11 @@ class ClusterPublic(BaseModel):
     gpus_schedulable: int | None
     links: dict[str, float] | None = Field(description="Bandwidth per GPU of each tier, GB/s.")
     scheduler: SchedulerPublic = Field(description="The elected scheduler, from its lease in the store.")
+    spares: list[SparePublic] = Field(
+        default_factory=list,
+        description="Hot spare rank actors kept beside running jobs (`fault_tolerance.spares`): each holds a "
+        "GPU outside its job's placement and does not count against quotas (docs/fault_tolerance.md).",
+    )
     profiles: list[dict[str, Any]] = Field(
         default_factory=list,
         description="The newest measured hardware profile of each node type (`lattice calibrate`): "
@@ -147,8 +161,17 @@ def get_cluster(
         gpus_schedulable=sum(n.gpus_free or 0 for n in nodes if n.schedulable) if has_live else None,
         links=dict(topology.to_dict()["links"]) if topology is not None else None,
         scheduler=_scheduler(session),
+        spares=_spares(request, admin=principal.is_admin),
         profiles=profile_summaries(session),
     )
+
+
+def _spares(request: Request, *, admin: bool) -> list[SparePublic]:
+    source: Any = getattr(request.app.state, "scheduler", None)
+    view = getattr(source, "spares_view", None)
+    rows = view() if callable(view) else []
+    return [SparePublic.model_validate({**{k: s.get(k) for k in SparePublic.model_fields},
+                                        "job": s.get("job") if admin else None}) for s in rows]
 
 
 def _scheduler(session: Session) -> SchedulerPublic:
@@ -231,4 +254,4 @@ def uncordon_node(
     return _set_cordon(request, session, node_id, False)
 
 
-__all__ = ["ClusterPublic", "NodePublic", "RackPublic", "SchedulerPublic", "router"]
+__all__ = ["ClusterPublic", "NodePublic", "RackPublic", "SchedulerPublic", "SparePublic", "router"]

@@ -1,0 +1,201 @@
+"""Background calibration of node types that have no hardware profile (issue 16 item 1).
+
+Each tick the leading scheduler hands its topology to `AutoCalibrator.tick`. A node's type is its
+`gpu_type` label (a catalogue name or alias: `ray start --labels=rack=r1,gpu_type=H100-80GB`),
+else the cluster's `LATTICE_GPU_TYPE`; profiles are keyed by the catalogue name. For a type seen
+without a stored profile it starts, in a daemon thread, the quick calibration grid (seconds) as a
+Ray task holding one GPU of a schedulable node of that type (`workers.calibration.calibrate_on_node`),
+then stores the result as the type's next profile version, unless one was stored meanwhile (an
+operator's `lattice calibrate` measures the full grid: it wins). The tick itself only reads the store,
+and only for types not yet known to have a profile: it never waits for a calibration.
+
+At most one calibration per type is in flight. A failure is logged and retried after a backoff that
+doubles from `backoff_s` up to `max_backoff_s`. Writes go through the scheduler's fenced sessions, so a
+deposed leader's late result is refused (NotLeader) and left to the new leader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.errors import NotLeader
+from service.settings import Settings
+from service.store.db import session_scope
+from service.store.profiles import newest_profile, save_profile
+from training.config.hardware import find_gpu
+from workers.topology import NodeInfo, Topology
+
+log = logging.getLogger(__name__)
+
+NODE_TYPE_LABEL = "gpu_type"
+# Seconds a calibration task may take, waiting for its node included (the quick grid runs in ~2 s
+# here; a fresh Ray worker importing torch on a loaded node takes the rest).
+CALIBRATION_TIMEOUT_S = 120.0
+
+# (node type, Ray node id) -> the profile document measured on that node.
+Calibrate = Callable[[str, str], Mapping[str, Any]]
+
+
+def ray_calibrate(node_type: str, node_id: str) -> Mapping[str, Any]:
+    """The quick grid as a Ray task on `node_id`, holding one of its GPUs (real on a GPU node)."""
+    from workers.calibration import calibrate_on_node
+
+    return calibrate_on_node(node_type, node_id, CALIBRATION_TIMEOUT_S, quick=True, num_gpus=1,
+                             num_cpus=0.1)
+
+
+@dataclasses.dataclass
+class _TypeState:
+    failures: int = 0
+    retry_at: float = 0.0  # monotonic time before which a failed type is not tried again
+    running: threading.Thread | None = None
+
+
+class AutoCalibrator:
+    """Calibrates node types without a profile, in the background; `tick` never blocks on it."""
+
+    def __init__(
+        self,
+        session_factory: sessionmaker[Session],
+        read_session_factory: sessionmaker[Session],
+        default_type: str,
+        *,
+        enabled: bool = True,
+        calibrate: Calibrate = ray_calibrate,
+        backoff_s: float = 30.0,
+        max_backoff_s: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.enabled = enabled
+        self._sf, self._rsf = session_factory, read_session_factory
+        default = find_gpu(default_type)
+        self._default = default.name if default is not None else default_type
+        self._calibrate = calibrate
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._types: dict[str, _TypeState] = {}
+        self._profiled: set[str] = set()  # types known to have a profile (profiles are never deleted)
+        self._unknown: set[str] = set()  # labels not in the catalogue, warned about once
+
+    # ---- what the scheduler calls ----------------------------------------------------------------
+    def tick(self, topology: Topology) -> list[str]:
+        """Start a calibration for each node type seen without a profile; the types started."""
+        if not self.enabled:
+            return []
+        started = []
+        for node_type, nodes in self.node_types(topology).items():
+            if node_type in self._profiled or not self._due(node_type):
+                continue
+            node = _pick_node(nodes)
+            if node is None:
+                continue  # no free GPU of that type now: try on a later tick, not a failure
+            with self._rsf() as s:
+                has_profile = newest_profile(s, node_type) is not None
+            if has_profile:
+                with self._lock:
+                    self._profiled.add(node_type)
+                continue
+            self._start(node_type, node)
+            started.append(node_type)
+        return started
+
+    def node_types(self, topology: Topology) -> dict[str, list[NodeInfo]]:
+        """Node type -> its live GPU nodes (labels not in the catalogue are skipped, with a warning)."""
+        out: dict[str, list[NodeInfo]] = {}
+        for n in topology.gpu_nodes:
+            if n.is_head or not n.alive:
+                continue
+            label = n.labels.get(NODE_TYPE_LABEL)
+            gpu = find_gpu(label) if label else None
+            if label and gpu is None:
+                if label not in self._unknown:
+                    self._unknown.add(label)
+                    log.warning("node %s: %s label %r is not a catalogue GPU type; not calibrated",
+                                n.name, NODE_TYPE_LABEL, label)
+                continue
+            out.setdefault(gpu.name if gpu is not None else self._default, []).append(n)
+        return out
+
+    def in_flight(self) -> list[str]:
+        with self._lock:
+            return sorted(t for t, st in self._types.items() if st.running is not None)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait for the calibrations in flight to end (tests, shutdown); whether they all did."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            threads = [st.running for st in self._types.values() if st.running is not None]
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
+
+    # ---- one calibration -------------------------------------------------------------------------
+    def _due(self, node_type: str) -> bool:
+        with self._lock:
+            st = self._types.get(node_type)
+            return st is None or (st.running is None and self._clock() >= st.retry_at)
+
+    def _start(self, node_type: str, node: NodeInfo) -> None:
+        thread = threading.Thread(target=self._run, args=(node_type, node), daemon=True,
+                                  name=f"lattice-calibrate-{node_type}")
+        with self._lock:
+            self._types.setdefault(node_type, _TypeState()).running = thread
+        log.info("node type %s has no hardware profile: calibrating it on %s in the background",
+                 node_type, node.name)
+        thread.start()
+
+    def _run(self, node_type: str, node: NodeInfo) -> None:
+        ok = False
+        try:
+            doc = {**self._calibrate(node_type, node.node_id), "node_type": node_type}
+            ok = self._store(node_type, node, doc)
+        except NotLeader as e:
+            log.info("node type %s: calibrated, but this scheduler no longer leads (%s); not stored",
+                     node_type, e)
+            ok = True  # the new leader calibrates it if it still has no profile
+        except Exception:  # a calibration must never take the scheduler down; logged and retried
+            log.exception("node type %s: background calibration on %s failed", node_type, node.name)
+        with self._lock:
+            st = self._types[node_type]
+            st.running = None
+            if ok:
+                st.failures = 0
+            else:
+                st.failures += 1
+                delay = min(self.max_backoff_s, self.backoff_s * 2 ** (st.failures - 1))
+                st.retry_at = self._clock() + delay
+                log.warning("node type %s: calibration failed %d time(s); next try in %.0f s",
+                            node_type, st.failures, delay)
+
+    def _store(self, node_type: str, node: NodeInfo, doc: Mapping[str, Any]) -> bool:
+        with session_scope(self._sf) as s:
+            if newest_profile(s, node_type) is not None:  # stored meanwhile (`lattice calibrate`)
+                log.info("node type %s got a profile while calibrating; keeping that one", node_type)
+            else:
+                profile = save_profile(s, doc)
+                log.info("node type %s: stored hardware profile v%d, measured on %s in %s s", node_type,
+                         profile.version, node.name, (doc.get("meta") or {}).get("seconds"))
+        with self._lock:
+            self._profiled.add(node_type)
+        return True
+
+
+def _pick_node(nodes: list[NodeInfo]) -> NodeInfo | None:
+    """The schedulable node with the most free GPUs (the task holds one), or None."""
+    usable = [n for n in nodes if n.schedulable and n.gpus_free >= 1]
+    return max(usable, key=lambda n: n.gpus_free, default=None)
+
+
+def from_settings(settings: Settings, session_factory: sessionmaker[Session],
+                  read_session_factory: sessionmaker[Session]) -> AutoCalibrator:
+    """The scheduler's calibrator: on unless LATTICE_AUTO_CALIBRATE=false."""
+    return AutoCalibrator(session_factory, read_session_factory, settings.gpu_type,
+                          enabled=settings.auto_calibrate)

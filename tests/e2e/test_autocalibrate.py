@@ -1,0 +1,32 @@
+"""The scheduler calibrates the cluster's node type in the background on the real session cluster: the
+quick grid as a Ray task on one of its nodes, stored as version 1 and shown by GET /v1/cluster, once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from service.store.profiles import newest_profile
+from tests.e2e.conftest import LiveService, wait_for
+
+
+def test_the_scheduler_calibrates_a_node_type_without_a_profile_once(
+    service_factory: Callable[..., LiveService],
+) -> None:
+    svc = service_factory(auto_calibrate=True)
+
+    def shown() -> list[dict[str, Any]]:
+        r = svc.api("GET", "/v1/cluster")
+        assert r.status_code == 200, r.text
+        return r.json()["profiles"]
+
+    (profile,) = wait_for(shown, 120, "the background calibration's profile in GET /v1/cluster")
+    assert (profile["node_type"], profile["version"], profile["backend"]) == ("cpu-virtual", 1, "gloo")
+    assert profile["matmul_tflops"]["fp32"] > 0 and profile["all_reduce"]["gbps"] > 0
+    assert svc.runtime is not None and svc.runtime.scheduler is not None
+    calibrator = svc.runtime.scheduler.calibrator
+    assert calibrator.wait(30) and calibrator.in_flight() == []
+    assert calibrator.tick(svc.runtime.scheduler.cluster_view()[0]) == []  # it has a profile now
+    with svc.session() as s:
+        stored = newest_profile(s, "cpu-virtual")
+    assert stored is not None and stored.version == 1 and stored.meta.get("device") == "cpu"

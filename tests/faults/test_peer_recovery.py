@@ -1,0 +1,97 @@
+"""Peer recovery (issue 17): a lost rank with a healthy DP peer gets the peer's in-memory state over
+the collective backend, so nothing rolls back; without one (DP = 1) the checkpoint is used, and the
+restart event says which path was taken and why. Real controller, rank actors and gloo."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.faults.harness import (
+    EVERY,
+    assert_in_order,
+    assert_succeeded_like_fault_free,
+    events,
+    job_cfg,
+    options,
+    run_job,
+    wait_for_free_gpus,
+)
+from training.config.layout import Layout
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(autouse=True)
+def _free_cluster(ray_cluster):
+    wait_for_free_gpus(16)
+    yield
+
+
+def _peer_restart(snap: dict) -> dict:
+    restart = events(snap, "restart")[0]
+    assert restart["path"] == "peer", restart
+    return restart
+
+
+@pytest.fixture
+def two_free_gpus_per_node():
+    """Hold two GPUs of every node, so that a TP 2 x DP 2 job puts its replicas on two nodes."""
+    from ray.util.placement_group import placement_group
+
+    from workers.placement import NODE_ID_LABEL, release
+    from workers.topology import Topology
+
+    nodes = Topology.from_ray(include_dead=False).gpu_nodes
+    pg = placement_group([{"GPU": 1.0}] * (2 * len(nodes)), strategy="PACK",
+                         bundle_label_selector=[{NODE_ID_LABEL: n.node_id} for n in nodes for _ in range(2)])
+    assert pg.wait(timeout_seconds=60)
+    yield
+    release(pg)
+
+
+def test_a_whole_tp_group_lost_with_its_node_comes_back_from_the_other_replica(
+        tmp_path, revive_nodes, two_free_gpus_per_node):
+    """TP 2 x DP 2: the node holding one replica's TP pair dies; both ranks move to another node and
+    take the other replica's state (same tp coordinate); the run ends bit-identical to a fault-free
+    one, 0 steps lost."""
+    cfg = job_cfg(str(tmp_path / "ckpt"), layout=Layout(tp=2, dp=2))
+    snap = run_job("peer-kill-node", cfg, options({"kind": "kill_node", "rank": 2, "at_step": 3}))
+    assert_succeeded_like_fault_free(snap, cfg)
+    assert_in_order(snap, ["fault_injected", "failure", "node_dead", "restart", "restore", "resumed",
+                           "finished"])
+    restart = _peer_restart(snap)
+    lost = sorted(restart["replaced"])
+    assert len(lost) == 2, [(e["kind"], e.get("message")) for e in snap["events"]]
+    by_rank = {r["rank"]: r for r in restart["placement"]}
+    for r in lost:  # each lost rank's source holds the same TP shard in the other replica
+        src = restart["recovery"]["sources"][str(r)]
+        assert src not in lost and by_rank[src]["tp"] == by_rank[r]["tp"]
+        assert by_rank[src]["dp"] != by_rank[r]["dp"]
+    dead = events(snap, "node_dead")[0]["node"]
+    assert all(by_rank[r]["node_name"] != dead for r in lost)
+    assert len({by_rank[r]["node_name"] for r in lost}) == 1  # the TP pair stays inside one node
+    restore = events(snap, "restore")[0]
+    assert (restore["source"], restore["steps_lost"]) == ("peers", 0)
+    assert snap["faults"]["steps_lost"] == 0
+
+
+def test_a_rank_killed_during_a_checkpoint_save_loses_no_step(tmp_path):
+    cfg = job_cfg(str(tmp_path / "ckpt"))
+    snap = run_job("peer-kill-ckpt", cfg, options({"kind": "kill_rank", "rank": 0, "at_step": EVERY,
+                                                   "phase": "checkpoint"}))
+    assert_succeeded_like_fault_free(snap, cfg)
+    restart = _peer_restart(snap)
+    assert restart["replaced"] == [0] and restart["recovery"]["sources"] == {"0": 1}
+    assert restart["recovery"]["step"] == EVERY
+    assert events(snap, "restore")[0]["steps_lost"] == 0
+
+
+def test_without_a_dp_peer_the_checkpoint_is_restored_and_the_event_says_why(tmp_path):
+    cfg = job_cfg(str(tmp_path / "ckpt"), layout=Layout(dp=1))
+    snap = run_job("peer-dp1", cfg, options({"kind": "kill_rank", "rank": 0, "at_step": 3}))
+    assert_succeeded_like_fault_free(snap, cfg)
+    restart = events(snap, "restart")[0]
+    assert restart["path"] == "fast" and restart["recovery"]["path"] == "checkpoint"
+    assert "no DP replica" in restart["recovery"]["why"]
+    restore = events(snap, "restore")[0]
+    assert (restore["source"], restore["step"]) == ("checkpoint", 2)
