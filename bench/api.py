@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import subprocess
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,11 +54,15 @@ SPEC = {
 }
 
 
+KEEPALIVE_REUSE_S = 4.0  # below uvicorn's timeout_keep_alive (5 s)
+
+
 @dataclass
 class OpStats:
     latencies: list[float] = field(default_factory=list)  # accepted (2xx) requests
     refused: list[float] = field(default_factory=list)  # 429 / 503 with Retry-After
     errors: int = 0  # anything else: other statuses, a refusal without Retry-After, transport errors
+    error_kinds: Counter[str] = field(default_factory=Counter)
     timeouts: int = 0
 
 
@@ -77,8 +83,10 @@ class Service:
     """`replicas` x `lattice serve` subprocesses, each on a free port, sharing one home and one
     database (a fresh SQLite file, or a fresh PostgreSQL schema)."""
 
-    def __init__(self, backend: str, postgres_url: str, role: str | None = None, replicas: int = 1) -> None:
+    def __init__(self, backend: str, postgres_url: str, role: str | None = None, replicas: int = 1,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.backend = backend
+        self.extra_env = extra_env or {}
         self.home = Path(tempfile.mkdtemp(prefix=f"lattice-bench-{backend}-"))
         self.role, self.replicas = role, replicas
         self.urls: list[str] = []
@@ -96,7 +104,7 @@ class Service:
         env["LATTICE_RATE_LIMIT_PER_S"] = "0"  # one token drives the whole load
         if self.schema:
             env["LATTICE_DATABASE_URL"] = f"{self.postgres_url}?options=-csearch_path%3D{self.schema}"
-        return env
+        return env | self.extra_env
 
     def _start_one(self, env: dict[str, str], i: int) -> None:
         port = free_port()
@@ -146,62 +154,147 @@ class Service:
             engine.dispose()
 
 
+class Http1Client:
+    """A lean HTTP/1.1 keep-alive client for the load generator: at most `max_connections` open, each
+    carrying one request at a time. httpx's AsyncClient spent ~8 ms of CPU per request on this 2-core
+    machine (more than the server's ~7 ms), so the generator, not the server, set the latency it saw."""
+
+    def __init__(self, url: str, headers: dict[str, str], max_connections: int = 256) -> None:
+        self.host, port = url.split("//", 1)[1].rsplit(":", 1)
+        self.port = int(port)
+        fixed = [f"Host: {self.host}:{self.port}"] + [f"{k}: {v}" for k, v in headers.items()]
+        self.fixed = "".join(line + "\r\n" for line in fixed)
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []  # (..., idle since)
+        self.slots = asyncio.Semaphore(max_connections)
+
+    async def request(
+        self, method: str, path: str, body: bytes | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        """(status, lower-cased headers, body)."""
+        async with self.slots:
+            reader, writer = await self._connection()
+            try:
+                length = f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n" if body else ""
+                writer.write(f"{method} {path} HTTP/1.1\r\n{self.fixed}{length}\r\n".encode() + (body or b""))
+                await writer.drain()
+                lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+                fields = (line.partition(":") for line in lines[1:])
+                headers = {k.strip().lower(): v.strip() for k, _, v in fields}
+                if "chunked" in headers.get("transfer-encoding", ""):
+                    raise ConnectionError("a chunked response (this client reads Content-Length bodies only)")
+                data = await reader.readexactly(int(headers.get("content-length", "0")))
+            except BaseException:
+                writer.close()  # a timeout or a broken connection: never reuse it
+                raise
+            if headers.get("connection", "").lower() == "close":
+                writer.close()
+            else:
+                self.idle.append((reader, writer, time.monotonic()))
+            return int(lines[0].split()[1]), headers, data
+
+    def close(self) -> None:
+        for _, writer, _ in self.idle:
+            writer.close()
+
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The most recently used idle connection that the server has not closed (uvicorn closes one
+        idle for 5 s: reusing it would lose the request), else a new one."""
+        while self.idle:
+            reader, writer, since = self.idle.pop()
+            if not reader.at_eof() and time.monotonic() - since < KEEPALIVE_REUSE_S:
+                return reader, writer
+            writer.close()
+        return await asyncio.open_connection(self.host, self.port)
+
+
+async def probe_health(url: str, stop: asyncio.Event, out: list[float], period_s: float = 0.1) -> None:
+    """GET /healthz every `period_s` on a connection of its own (never queued behind the load)."""
+    client = Http1Client(url, {}, max_connections=1)
+    while not stop.is_set():
+        start = time.perf_counter()
+        try:
+            status, _, _ = await asyncio.wait_for(client.request("GET", "/healthz"), 10)
+            out.append(time.perf_counter() - start if status == 200 else float("inf"))
+        except (TimeoutError, OSError, asyncio.IncompleteReadError):
+            out.append(float("inf"))
+        await asyncio.sleep(period_s)
+    client.close()
+
+
 async def drive(urls: list[str], token: str, rate: float, duration: float, seed: int) -> dict[str, OpStats]:
+    """The open-loop schedule; a request's latency runs from its scheduled send time (so a lagging
+    generator shows, and coordinated omission does not hide the server's queue)."""
     stats = {"submit": OpStats(), "get": OpStats()}
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     headers = {"Authorization": f"Bearer {token}"}
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=10) as client:
-        first = await client.post(f"{urls[0]}/v1/jobs", json=SPEC)
-        first.raise_for_status()
-        job_ids = [first.json()["id"]]
+    clients = {url: Http1Client(url, headers) for url in urls}
+    status, _, body = await clients[urls[0]].request("POST", "/v1/jobs", json.dumps(SPEC).encode())
+    if status not in (200, 201):
+        raise RuntimeError(f"the first submit failed: {status} {body[:200]!r}")
+    job_ids = [json.loads(body)["id"]]
+    health: list[float] = []
+    stop = asyncio.Event()
+    prober = asyncio.create_task(probe_health(urls[0], stop, health))
 
-        async def one(op: str, url: str) -> None:
-            start = time.perf_counter()
-            try:
-                if op == "submit":
-                    r = await client.post(f"{url}/v1/jobs", json=SPEC | {"priority": rng.randint(0, 9)})
-                else:
-                    r = await client.get(f"{url}/v1/jobs/{rng.choice(job_ids)}")
-            except httpx.TimeoutException:
-                stats[op].timeouts += 1
-                return
-            except httpx.HTTPError:
-                stats[op].errors += 1
-                return
-            elapsed = time.perf_counter() - start
-            if r.status_code in (200, 201):
-                stats[op].latencies.append(elapsed)
-                if op == "submit":
-                    job_ids.append(r.json()["id"])
-            elif r.status_code in (429, 503) and "retry-after" in r.headers:
-                stats[op].refused.append(elapsed)
-            else:
-                stats[op].errors += 1
+    async def one(op: str, url: str, scheduled: float) -> None:
+        if op == "submit":
+            call = clients[url].request("POST", "/v1/jobs",
+                                        json.dumps(SPEC | {"priority": rng.randint(0, 9)}).encode())
+        else:
+            call = clients[url].request("GET", f"/v1/jobs/{rng.choice(job_ids)}")
+        try:
+            status, headers, body = await asyncio.wait_for(call, 10)
+        except TimeoutError:
+            stats[op].timeouts += 1
+            return
+        except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+            stats[op].errors += 1
+            stats[op].error_kinds[type(e).__name__] += 1
+            return
+        elapsed = time.perf_counter() - scheduled
+        if status in (200, 201):
+            stats[op].latencies.append(elapsed)
+            if op == "submit":
+                job_ids.append(json.loads(body)["id"])
+        elif status in (429, 503) and "retry-after" in headers:
+            stats[op].refused.append(elapsed)
+        else:
+            stats[op].errors += 1
+            stats[op].error_kinds[f"HTTP {status}"] += 1
 
-        total = int(rate * duration)
-        t0 = time.perf_counter()
-        tasks = []
-        for i in range(total):
-            delay = t0 + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            url = urls[(i // 2) % len(urls)]  # each replica gets submits and gets alike
-            tasks.append(asyncio.create_task(one("submit" if i % 2 == 0 else "get", url)))
-        await asyncio.gather(*tasks)
-        stats["_wall"] = OpStats(latencies=[time.perf_counter() - t0])
+    total = int(rate * duration)
+    t0 = time.perf_counter()
+    tasks = []
+    lag = 0.0
+    for i in range(total):
+        scheduled = t0 + i / rate
+        delay = scheduled - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        lag = max(lag, -delay)
+        url = urls[(i // 2) % len(urls)]  # each replica gets submits and gets alike
+        tasks.append(asyncio.create_task(one("submit" if i % 2 == 0 else "get", url, scheduled)))
+    await asyncio.gather(*tasks)
+    stats["_wall"] = OpStats(latencies=[time.perf_counter() - t0, lag])
+    stop.set()
+    await prober
+    stats["_health"] = OpStats(latencies=health)
+    for client in clients.values():
+        client.close()
     return stats
 
 
 def report(backend: str, rate: float, stats: dict[str, OpStats]) -> float:
     """Print one line per operation; return the accepted throughput of both together."""
-    wall = stats.pop("_wall").latencies[0]
+    wall, lag = stats.pop("_wall").latencies
+    health = stats.pop("_health").latencies
     accepted = 0
     for op, s in stats.items():
         n = len(s.latencies)
         accepted += n
         refused = f"refused {len(s.refused):5d} (p99 {percentile(s.refused, 0.99) * 1e3:6.1f} ms)"
-        failed = f"errors {s.errors:4d}  timeouts {s.timeouts:4d}"
+        kinds = f" {dict(s.error_kinds)}" if s.error_kinds else ""
+        failed = f"errors {s.errors:4d}{kinds}  timeouts {s.timeouts:4d}"
         p50, p99 = percentile(s.latencies, 0.5) * 1e3, percentile(s.latencies, 0.99) * 1e3
         print(
             f"{backend:<10} {op:<6} offered {rate / 2:6.0f}/s  ok {n:6d}  {refused}  {failed}  "
@@ -209,6 +302,9 @@ def report(backend: str, rate: float, stats: dict[str, OpStats]) -> float:
             if n
             else f"{backend:<10} {op:<6} no accepted requests ({refused}, {failed})"
         )
+    print(f"{backend:<10} /healthz during the load: {len(health)} probes, p99 "
+          f"{percentile(health, 0.99) * 1e3:.1f} ms, max {max(health, default=float('nan')) * 1e3:.1f} ms; "
+          f"generator lag max {lag * 1e3:.0f} ms; load average {os.getloadavg()[0]:.1f}")
     return accepted / wall
 
 
@@ -237,19 +333,22 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--role", choices=["all", "api"], default=None,
                         help="`lattice serve --role` of the server (default: serve's default, all).")
+    parser.add_argument("--server-env", action="append", default=[], metavar="LATTICE_X=V",
+                        help="A setting for the servers (repeatable), e.g. LATTICE_API_THREADS=40.")
     parser.add_argument("--replicas", default="1",
                         help="Comma-separated replica counts, e.g. 1,2: each at every rate, with the ratio.")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     replica_counts = [int(n) for n in args.replicas.split(",")]
     role = args.role
+    extra_env = dict(item.split("=", 1) for item in args.server_env)
     if role is not None and not serve_has_role():
         print(f"note: this `lattice serve` has no --role; measuring the full server instead of --role {role}")
         role = None
     print(
         f"lattice API bench: {args.rates} req/s for {args.duration:.0f} s each per backend, "
         f"open loop, submits and gets alternating; role {role or 'all (default)'}, replicas "
-        f"{args.replicas}; {os.cpu_count()} CPUs"
+        f"{args.replicas}; {os.cpu_count()} CPUs; server settings {extra_env or 'default'}"
     )
     throughput: dict[tuple[str, int], dict[float, float]] = {}
     for backend in args.backends.split(","):
@@ -257,7 +356,7 @@ def main() -> None:
             throughput[(backend, replicas)] = {}
             label = backend if replicas == 1 else f"{backend}x{replicas}"
             for rate in rates:
-                with Service(backend, args.postgres_url, role, replicas) as service:
+                with Service(backend, args.postgres_url, role, replicas, extra_env) as service:
                     stats = asyncio.run(drive(service.urls, service.token, rate, args.duration, args.seed))
                 throughput[(backend, replicas)][rate] = report(label, rate, stats)
             if len(rates) > 1:

@@ -149,6 +149,15 @@ class Settings(BaseSettings):
         64, ge=0, description="Requests the API holds at once (running or waiting for a thread); past it "
         "503 with Retry-After at once. 0 = no bound.",
     )
+    api_threads: int = Field(
+        8, ge=1, le=256, description="Requests an API process runs at once, each on a worker thread (a "
+        "few more threads serve probes, streams and planning). Few keep the event loop, which admits and "
+        "sheds, off the GIL's queue; the database pool holds a connection for each thread.",
+    )
+    max_queue_wait_ms: float = Field(
+        100.0, gt=0, le=60_000, description="Longest a request waits for a free API slot: one that would "
+        "wait longer (measured, or expected from the queue ahead) gets 503 with Retry-After at once.",
+    )
     rate_limit_per_s: float = Field(
         100.0, ge=0, description="Requests per second per token (per client address without one); "
         "over it 429 with Retry-After. 0 = off.",
@@ -203,6 +212,17 @@ class Settings(BaseSettings):
     @property
     def embedded_num_gpus(self) -> int:
         return self.embedded_racks * self.embedded_nodes_per_rack * self.embedded_gpus_per_node
+
+    @property
+    def api_thread_tokens(self) -> int:
+        """anyio's thread limiter in an API process: a thread per slot, and spares for what holds no
+        slot (probes, log streams, planning's profile read)."""
+        return self.api_threads + 4
+
+    @property
+    def db_pool_size(self) -> int:
+        """Connections each process keeps: one per API thread, and the scheduler's (role all)."""
+        return self.api_thread_tokens + 4
 
     @property
     def is_sqlite(self) -> bool:

@@ -35,7 +35,7 @@ def create_app(
     settings: Settings | None = None, *, engine: Engine | None = None, scheduler: SchedulerHook | None = None
 ) -> FastAPI:
     settings = settings or get_settings()
-    engine = engine or make_engine(settings.db_url)
+    engine = engine or make_engine(settings.db_url, pool_size=settings.db_pool_size)
     app = FastAPI(title="Lattice", version="0.1.0", description=API_DESCRIPTION)
     app.state.settings = settings
     app.state.engine = engine
@@ -47,7 +47,9 @@ def create_app(
     install_problem_handlers(app)
     app.add_middleware(MetricsMiddleware)
     app.add_middleware(RateLimitMiddleware, rate=settings.rate_limit_per_s, burst=settings.rate_limit_burst)
-    app.add_middleware(LoadShedMiddleware, max_inflight=settings.max_inflight_requests)
+    app.add_middleware(LoadShedMiddleware, max_inflight=settings.max_inflight_requests,
+                       concurrency=settings.api_threads, max_queue_wait_s=settings.max_queue_wait_ms / 1e3,
+                       threads=settings.api_thread_tokens)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)  # outermost: before auth
     app.include_router(health.router)
     app.include_router(jobs.router)

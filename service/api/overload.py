@@ -2,10 +2,12 @@
 
 Two pure ASGI middlewares, both answering before authentication, parsing or a worker thread:
 
-- `LoadShedMiddleware`: the API measures its own queue (requests accepted and not yet answered,
-  whether running or waiting for a worker thread); past `max_inflight` a request gets 503 with
-  `Retry-After`. Accepted work keeps its latency, so accepted throughput does not fall as offered
-  load rises.
+- `LoadShedMiddleware`: the API runs a few requests at once (a slot per worker thread) and measures
+  its own queue for them: a request that would wait longer than a bound (measured: the oldest
+  waiter's age; expected: the queue ahead times the mean slot time), or past `max_inflight` held in
+  all, gets 503 with `Retry-After` on the event loop. Accepted work keeps its latency, so accepted
+  throughput does not fall as offered load rises. (Before: 40 threads behind a bound of 64 in flight;
+  the threads fought the event loop for the GIL and requests waited seconds before reaching the bound.)
 - `RateLimitMiddleware`: a token bucket per bearer token (per client address without one);
   a request over the rate gets 429 with `Retry-After`, the seconds until the bucket has a token again.
 
@@ -18,12 +20,18 @@ import hashlib
 import json
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+import anyio
+import anyio.to_thread
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 EXEMPT_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+# Bounded by their own admission (the planning pool): counted in flight, but they hold no slot
+# while a worker process searches.
+UNGATED_PATHS = frozenset({"/v1/plans"})
 
 
 async def _problem(send: Send, status: int, title: str, detail: str, retry_after_s: float) -> None:
@@ -40,29 +48,145 @@ async def _problem(send: Send, status: int, title: str, detail: str, retry_after
     await send({"type": "http.response.body", "body": body})
 
 
-class LoadShedMiddleware:
-    """503 + Retry-After once `max_inflight` requests are in the API (0: no bound)."""
+@dataclass(eq=False)
+class _Waiter:
+    since: float
+    event: anyio.Event = field(default_factory=anyio.Event)
+    granted: bool = False  # a finishing request handed its slot over
 
-    def __init__(self, app: ASGIApp, max_inflight: int, retry_after_s: float = 1.0) -> None:
+
+class LoadShedMiddleware:
+    """Run at most `concurrency` requests at once (one worker thread each), queue a few more FIFO, and
+    answer the rest 503 + Retry-After at once, on the event loop.
+
+    A request is refused on arrival when `max_inflight` requests are already held (0: no bound), or when
+    the wait it would have for a slot exceeds `max_queue_wait_s`: measured (the oldest waiter's age) or
+    expected (the requests ahead of it times the mean time a request holds a slot, over `concurrency`).
+    A queued request that still waits past `max_queue_wait_s` is refused then. A request gives its slot
+    back when its response starts, so a long stream (a followed log) does not hold one. With `threads`,
+    the middleware sizes anyio's default thread limiter (FastAPI's sync routes and dependencies) to it:
+    few threads keep the event loop, which admits and sheds, from starving on the GIL.
+    """
+
+    def __init__(self, app: ASGIApp, max_inflight: int, concurrency: int = 0, max_queue_wait_s: float = 0.1,
+                 threads: int = 0, retry_after_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.app = app
         self.max_inflight = max_inflight
+        self.concurrency = concurrency
+        self.max_queue_wait_s = max_queue_wait_s
+        self.threads = threads
         self.retry_after_s = retry_after_s
-        self.inflight = 0  # the event loop is single-threaded: no lock needed
+        self.clock = clock
+        # The event loop is single-threaded: no lock needed for any of these.
+        self.inflight = 0  # requests held: running or queued
+        self.running = 0  # requests holding a slot
+        self.hold_s = 0.0  # mean seconds a request holds its slot (EWMA)
+        self._waiters: deque[_Waiter] = deque()
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    def oldest_wait_s(self) -> float:
+        return self.clock() - self._waiters[0].since if self._waiters else 0.0
+
+    def _refusal(self, gated: bool) -> str | None:
+        if self.max_inflight > 0 and self.inflight >= self.max_inflight:
+            return f"the API is at its bound of {self.max_inflight} requests in flight; retry later"
+        if not gated or self.running < self.concurrency:
+            return None
+        bound_ms = self.max_queue_wait_s * 1e3
+        waited = self.oldest_wait_s()
+        if waited >= self.max_queue_wait_s:
+            return (f"the oldest request waiting for a worker has waited {waited * 1e3:.0f} ms (the bound is "
+                    f"{bound_ms:.0f} ms); retry later")
+        # Little's law (L = lambda W): with `concurrency` slots each held hold_s, the queue ahead drains
+        # at concurrency / hold_s requests a second.
+        expected = (len(self._waiters) + 1) * self.hold_s / self.concurrency
+        if expected >= self.max_queue_wait_s:
+            return (f"a request would wait about {expected * 1e3:.0f} ms for a worker (the bound is "
+                    f"{bound_ms:.0f} ms); retry later")
+        return None
+
+    async def _acquire(self) -> bool:
+        """A slot: at once, or after waiting at most max_queue_wait_s (False: none came)."""
+        if self.running < self.concurrency and not self._waiters:
+            self.running += 1
+            return True
+        waiter = _Waiter(self.clock())
+        self._waiters.append(waiter)
+        try:
+            with anyio.move_on_after(self.max_queue_wait_s):
+                await waiter.event.wait()
+        except BaseException:  # cancelled (the client went away): give back what was handed over
+            if waiter.granted:
+                self._release()
+            else:
+                self._waiters.remove(waiter)
+            raise
+        if not waiter.granted:
+            self._waiters.remove(waiter)
+        return waiter.granted
+
+    def _release(self) -> None:
+        if self._waiters:
+            waiter = self._waiters.popleft()  # the slot passes to the oldest waiter: running is unchanged
+            waiter.granted = True
+            waiter.event.set()
+        else:
+            self.running -= 1
+
+    def _size_threads(self) -> None:
+        limiter = anyio.to_thread.current_default_thread_limiter()  # one per event loop
+        if limiter.total_tokens != self.threads:
+            limiter.total_tokens = self.threads
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") in EXEMPT_PATHS or self.max_inflight <= 0:
+        if scope["type"] != "http" or scope.get("path") in EXEMPT_PATHS:
             await self.app(scope, receive, send)
             return
-        if self.inflight >= self.max_inflight:
-            await _problem(send, 503, "Service Unavailable",
-                           f"the API is at its bound of {self.max_inflight} requests in flight; retry later",
-                           self.retry_after_s)
+        if self.threads > 0:
+            self._size_threads()
+        gated = self.concurrency > 0 and scope.get("path") not in UNGATED_PATHS
+        refusal = self._refusal(gated)
+        if refusal is not None:
+            await _problem(send, 503, "Service Unavailable", refusal, self.retry_after_s)
             return
         self.inflight += 1
         try:
-            await self.app(scope, receive, send)
+            if not gated:
+                await self.app(scope, receive, send)
+            elif not await self._acquire():
+                waited = f"{self.max_queue_wait_s * 1e3:.0f} ms"
+                await _problem(send, 503, "Service Unavailable",
+                               f"no worker became free within {waited}; retry later", self.retry_after_s)
+            else:
+                await self._run_holding_slot(scope, receive, send)
         finally:
             self.inflight -= 1
+
+    async def _run_holding_slot(self, scope: Scope, receive: Receive, send: Send) -> None:
+        acquired = self.clock()
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                # EWMA with weight 1/8 per sample (the smoothing of TCP's SRTT, RFC 6298).
+                self.hold_s += (self.clock() - acquired - self.hold_s) / 8
+                self._release()
+
+        async def send_releasing(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                release()  # the handler is done; a streamed body does not hold the slot
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_releasing)
+        finally:
+            release()
 
 
 class TokenBuckets:

@@ -15,7 +15,7 @@ from service.store.db import make_engine
 def prepare_database(settings: Settings, *, bootstrap: bool) -> tuple[Engine, str | None]:
     """Migrate (if enabled) and, for `serve`, create the bootstrap admin token - under one lock,
     so two processes starting at once neither migrate twice nor mint two bootstrap tokens."""
-    engine = make_engine(settings.db_url)
+    engine = make_engine(settings.db_url, pool_size=settings.db_pool_size)  # sized with the API's threads
     token = None
     with migrate.migration_lock(engine) as conn:
         if settings.migrate_on_start:

@@ -2,7 +2,8 @@
 during a checkpoint save}, a persistent bit flip with two replicas settled by a spare (same three
 timings), plus the replicas' majority vote (DP 3), a harmful gradient bit flip
 (exponent, > 2^10), a replan when a node's loss leaves too little capacity, and a spent restart
-budget. Killing the service, at the same three timings, is test_service_kill_matrix.py; a replan
+budget. The peer path (kill_rank, kill_node x the three timings, replicas on two nodes: 0 steps lost,
+the fault-free digest) and DP 1 (the checkpoint, same timings) have their own cells. Killing the service, at the same three timings, is test_service_kill_matrix.py; a replan
 that changes the TP degree and the ZeRO stage is test_replan_layouts.py."""
 
 from __future__ import annotations
@@ -185,3 +186,54 @@ def _reference(ckpt_dir: str, cfg_dict: dict) -> None:
     cfg = RunConfig.from_dict(cfg_dict)
     cfg = replace(cfg, checkpoint=CheckpointConfig(dir=ckpt_dir, every_steps=0))
     run_ranks(cfg.layout.world_size, _direct_digest, (cfg.to_dict(),))
+
+
+# ---- the peer path: a lost rank with a healthy DP peer on another node; DP = 1 keeps the checkpoint ----
+PEER_CASES = [(k, t) for k in ("kill_rank", "kill_node") for t in TIMINGS]
+
+
+@pytest.fixture
+def one_free_gpu_per_node():
+    """Hold all but one GPU of every node, so that a DP 2 job puts its replicas on two nodes."""
+    from ray.util.placement_group import placement_group
+
+    from workers.placement import NODE_ID_LABEL
+
+    nodes = Topology.from_ray(include_dead=False).gpu_nodes
+    held = [n for n in nodes for _ in range(n.gpus_total - 1)]
+    pg = placement_group([{"GPU": 1.0}] * len(held), strategy="PACK",
+                         bundle_label_selector=[{NODE_ID_LABEL: n.node_id} for n in held])
+    assert pg.wait(timeout_seconds=60)
+    yield
+    release(pg)
+
+
+@pytest.mark.parametrize(("kind", "timing"), PEER_CASES, ids=[f"peer-{k}-{t}" for k, t in PEER_CASES])
+def test_matrix_peer_path(kind, timing, tmp_path, revive_nodes, one_free_gpu_per_node):
+    rng = random.Random(f"{SEED}-peer-{kind}-{timing}")
+    faults = _fault(kind, timing, rng)
+    cfg = job_cfg(str(tmp_path / "ckpt"))
+    snap = run_job(f"fm-peer-{kind}-{timing}".replace("_", "-"), cfg, options(*faults))
+    assert_succeeded_like_fault_free(snap, cfg)  # bit-identical to the fault-free run
+    restart = events(snap, "restart")[0]
+    assert restart["path"] == "peer", restart
+    victim = faults[0]["rank"]
+    assert restart["replaced"] == [victim] and restart["recovery"]["sources"] == {str(victim): 1 - victim}
+    restore = events(snap, "restore")[0]
+    assert (restore["source"], restore["steps_lost"]) == ("peers", 0)
+    assert snap["faults"]["steps_lost"] == 0
+    if kind == "kill_node":
+        assert_kept_off(snap, events(snap, "fault_injected")[0]["node"], "node_dead")
+
+
+@pytest.mark.parametrize("timing", list(TIMINGS))
+def test_matrix_dp1_uses_the_checkpoint(timing, tmp_path):
+    cfg = job_cfg(str(tmp_path / "ckpt"), layout=Layout(dp=1))
+    fault = _fault("kill_rank", timing, random.Random(f"{SEED}-dp1-{timing}"))[0]
+    snap = run_job(f"fm-dp1-{timing}", cfg, options({**fault, "rank": 0}))
+    assert_succeeded_like_fault_free(snap, cfg)
+    restart = events(snap, "restart")[0]
+    assert restart["recovery"]["path"] == "checkpoint" and "no DP replica" in restart["recovery"]["why"]
+    restore = events(snap, "restore")[0]  # before the first committed checkpoint: from scratch
+    assert restore["source"] == ("checkpoint" if restore["step"] else "scratch")
+    assert restore["step"] in snap["faults"]["verified_steps"] or restore["step"] == 0
