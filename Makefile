@@ -54,6 +54,7 @@ bench: install
 	$(BIN)/python -m bench.cp
 	$(BIN)/python -m bench.overhead
 	$(BIN)/python -m bench.recovery
+	$(BIN)/python -m bench.elastic
 	$(BIN)/python -m bench.sdc
 	$(BIN)/python -m bench.planner_accuracy
 	$(BIN)/python -m bench.cluster_sim

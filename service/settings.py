@@ -150,13 +150,14 @@ class Settings(BaseSettings):
         "503 with Retry-After at once. 0 = no bound.",
     )
     api_threads: int = Field(
-        8, ge=1, le=256, description="Requests an API process runs at once, each on a worker thread (a "
+        4, ge=1, le=256, description="Requests an API process runs at once, each on a worker thread (a "
         "few more threads serve probes, streams and planning). Few keep the event loop, which admits and "
         "sheds, off the GIL's queue; the database pool holds a connection for each thread.",
     )
     max_queue_wait_ms: float = Field(
-        100.0, gt=0, le=60_000, description="Longest a request waits for a free API slot: one that would "
-        "wait longer (measured, or expected from the queue ahead) gets 503 with Retry-After at once.",
+        200.0, gt=0, le=60_000, description="Bound on the wait for a free API slot: a request that would "
+        "wait longer (the oldest waiter's wait, or the queue ahead times the mean slot time) gets 503 with "
+        "Retry-After at once; one already queued gives up after 10 times this.",
     )
     rate_limit_per_s: float = Field(
         100.0, ge=0, description="Requests per second per token (per client address without one); "

@@ -32,6 +32,9 @@ EXEMPT_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 # Bounded by their own admission (the planning pool): counted in flight, but they hold no slot
 # while a worker process searches.
 UNGATED_PATHS = frozenset({"/v1/plans"})
+# A request admitted to the queue (its expected wait was within the bound) waits up to this many times
+# the bound before it is refused: a burst that arrives at once is absorbed, a stuck slot is not waited on.
+QUEUED_TIMEOUT_FACTOR = 10
 
 
 async def _problem(send: Send, status: int, title: str, detail: str, retry_after_s: float) -> None:
@@ -62,7 +65,8 @@ class LoadShedMiddleware:
     A request is refused on arrival when `max_inflight` requests are already held (0: no bound), or when
     the wait it would have for a slot exceeds `max_queue_wait_s`: measured (the oldest waiter's age) or
     expected (the requests ahead of it times the mean time a request holds a slot, over `concurrency`).
-    A queued request that still waits past `max_queue_wait_s` is refused then. A request gives its slot
+    A queued request that still has no slot after QUEUED_TIMEOUT_FACTOR times that (a handler stuck, a
+    burst larger than the estimate knew) is refused then. A request gives its slot
     back when its response starts, so a long stream (a followed log) does not hold one. With `threads`,
     the middleware sizes anyio's default thread limiter (FastAPI's sync routes and dependencies) to it:
     few threads keep the event loop, which admits and sheds, from starving on the GIL.
@@ -110,14 +114,14 @@ class LoadShedMiddleware:
         return None
 
     async def _acquire(self) -> bool:
-        """A slot: at once, or after waiting at most max_queue_wait_s (False: none came)."""
+        """A slot: at once, or after waiting (False: none came within the backstop)."""
         if self.running < self.concurrency and not self._waiters:
             self.running += 1
             return True
         waiter = _Waiter(self.clock())
         self._waiters.append(waiter)
         try:
-            with anyio.move_on_after(self.max_queue_wait_s):
+            with anyio.move_on_after(self.max_queue_wait_s * QUEUED_TIMEOUT_FACTOR):
                 await waiter.event.wait()
         except BaseException:  # cancelled (the client went away): give back what was handed over
             if waiter.granted:
@@ -158,7 +162,7 @@ class LoadShedMiddleware:
             if not gated:
                 await self.app(scope, receive, send)
             elif not await self._acquire():
-                waited = f"{self.max_queue_wait_s * 1e3:.0f} ms"
+                waited = f"{self.max_queue_wait_s * QUEUED_TIMEOUT_FACTOR * 1e3:.0f} ms"
                 await _problem(send, 503, "Service Unavailable",
                                f"no worker became free within {waited}; retry later", self.retry_after_s)
             else:

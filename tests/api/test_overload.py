@@ -1,15 +1,18 @@
-"""Graceful overload (service/api/overload.py): shedding past the in-flight bound, per-token rate
-limits, and probes that are never shed."""
+"""Graceful overload (service/api/overload.py): shedding past the in-flight bound and on the measured
+or expected wait for a worker slot, per-token rate limits, and probes that are never shed."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
 
+import anyio.to_thread
 import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from service.api.overload import LoadShedMiddleware, RateLimitMiddleware, TokenBuckets
@@ -121,3 +124,160 @@ def test_the_service_app_limits_per_token_with_its_settings(settings, db_engine,
         assert codes == [200, 200, 429]
         assert client.get("/v1/jobs", headers=bearer(tokens["b"])).status_code == 200  # its own bucket
         assert client.get("/healthz").status_code == 200
+
+
+def _gated_app(gate: asyncio.Event) -> Starlette:
+    """/v1/jobs waits for the gate; /v1/stream answers at once and then streams until the gate opens."""
+    async def slow(request: Request) -> JSONResponse:
+        await gate.wait()
+        return JSONResponse({"ok": True})
+
+    async def stream(request: Request) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            yield b"first\n"
+            await gate.wait()
+            yield b"last\n"
+
+        return StreamingResponse(body())
+
+    async def healthz(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    routes = [Route("/v1/jobs", slow), Route("/v1/stream", stream), Route("/healthz", healthz)]
+    return Starlette(routes=routes)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0)
+
+
+def test_a_request_that_has_waited_past_the_bound_for_a_slot_sheds_new_ones_at_once() -> None:
+    """One slot, held: the next request queues; once the oldest waiter has waited past the bound (a
+    fake clock), a new one gets 503 at once; probes answer throughout; the queued one then runs."""
+    clock = FakeClock()
+
+    async def scenario() -> tuple[list[httpx.Response], httpx.Response, httpx.Response, LoadShedMiddleware]:
+        gate = asyncio.Event()
+        shed = LoadShedMiddleware(_gated_app(gate), max_inflight=0, concurrency=1, max_queue_wait_s=30,
+                                  retry_after_s=2, clock=clock)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=shed), base_url="http://t") as client:
+            first = asyncio.create_task(client.get("/v1/jobs"))
+            await _until(lambda: shed.running == 1)
+            queued = asyncio.create_task(client.get("/v1/jobs"))
+            await _until(lambda: shed.queued == 1)
+            clock.now += 31  # the waiter has now waited past the 30 s bound
+            refused = await client.get("/v1/jobs")
+            probe = await client.get("/healthz")
+            gate.set()
+            done = [await first, await queued]
+        return done, refused, probe, shed
+
+    done, refused, probe, shed = asyncio.run(scenario())
+    assert [r.status_code for r in done] == [200, 200]  # the queued request got the slot handed over
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "2"
+    assert "oldest request waiting for a worker has waited 31000 ms" in refused.json()["detail"]
+    assert probe.status_code == 200
+    assert (shed.inflight, shed.running, shed.queued) == (0, 0, 0)
+
+
+def test_a_request_whose_expected_wait_exceeds_the_bound_is_refused_before_it_queues() -> None:
+    """The expected wait is the queue ahead times the mean time a request holds its slot: with one
+    slot held ~1.25 s on average and a 2 s bound, one request may queue, the next is refused."""
+    clock = FakeClock()
+
+    async def scenario() -> list[int]:
+        gate = asyncio.Event()
+        shed = LoadShedMiddleware(_gated_app(gate), max_inflight=0, concurrency=1, max_queue_wait_s=2,
+                                  clock=clock)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=shed), base_url="http://t") as client:
+            first = asyncio.create_task(client.get("/v1/jobs"))
+            await _until(lambda: shed.running == 1)
+            clock.now += 10  # it held its slot 10 s: the mean becomes 10 / 8
+            gate.set()
+            assert (await first).status_code == 200
+            assert shed.hold_s == pytest.approx(1.25)
+            gate.clear()
+            held = asyncio.create_task(client.get("/v1/jobs"))
+            await _until(lambda: shed.running == 1)
+            queued = asyncio.create_task(client.get("/v1/jobs"))  # expects 1.25 s: it may wait
+            await _until(lambda: shed.queued == 1)
+            refused = await client.get("/v1/jobs")  # expects 2.5 s: refused now
+            assert "would wait about 2500 ms" in refused.json()["detail"]
+            gate.set()
+            return [(await held).status_code, (await queued).status_code, refused.status_code]
+
+    assert asyncio.run(scenario()) == [200, 200, 503]
+
+
+def test_a_queued_request_that_gets_no_slot_in_time_is_refused_and_leaves_the_queue() -> None:
+    async def scenario() -> tuple[httpx.Response, LoadShedMiddleware]:
+        gate = asyncio.Event()
+        shed = LoadShedMiddleware(_gated_app(gate), max_inflight=0, concurrency=1, max_queue_wait_s=0.01)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=shed), base_url="http://t") as client:
+            first = asyncio.create_task(client.get("/v1/jobs"))
+            await _until(lambda: shed.running == 1)
+            timed_out = await client.get("/v1/jobs")  # the slot stays held: it gives up waiting
+            assert shed.queued == 0
+            gate.set()
+            assert (await first).status_code == 200
+        return timed_out, shed
+
+    timed_out, shed = asyncio.run(scenario())
+    assert timed_out.status_code == 503 and "retry-after" in timed_out.headers
+    assert "no worker became free" in timed_out.json()["detail"]
+    assert (shed.inflight, shed.running) == (0, 0)
+
+
+def test_a_streaming_response_gives_its_slot_back_when_it_starts() -> None:
+    """A followed log streams for as long as the job runs: it must not hold a slot meanwhile."""
+    async def scenario() -> tuple[bytes, int]:
+        gate = asyncio.Event()
+        shed = LoadShedMiddleware(_gated_app(gate), max_inflight=0, concurrency=1, max_queue_wait_s=30)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=shed), base_url="http://t") as client:
+            streaming = asyncio.create_task(client.get("/v1/stream"))
+            await _until(lambda: shed.inflight == 1 and shed.running == 0)
+            gate.set()  # lets /v1/jobs answer at once, and the stream end
+            other = await client.get("/v1/jobs")
+            return (await streaming).content, other.status_code
+
+    assert asyncio.run(scenario()) == (b"first\nlast\n", 200)
+
+
+def test_the_service_sheds_a_burst_when_its_worker_threads_are_busy(settings, db_engine) -> None:
+    """create_app sizes the thread pool from the settings; with one API thread held by a slow sync
+    handler, a burst gets 503 + Retry-After instead of waiting for it, and /healthz still answers."""
+    from service.api.app import create_app
+
+    tiny = settings.model_copy(update={"api_threads": 1, "max_queue_wait_ms": 20.0, "rate_limit_per_s": 0})
+    app = create_app(tiny, engine=db_engine)
+    release = threading.Event()
+    entered = threading.Event()
+
+    def slow() -> dict[str, bool]:  # a sync route: it runs on a worker thread
+        entered.set()
+        release.wait(30)
+        return {"ok": True}
+
+    app.add_api_route("/v1/slow", slow)
+
+    async def scenario() -> tuple[httpx.Response, list[httpx.Response], httpx.Response, int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            held = asyncio.create_task(client.get("/v1/slow"))
+            await _until(entered.is_set)
+            burst = await asyncio.gather(*(client.get("/v1/slow") for _ in range(8)))
+            probe = await client.get("/healthz")
+            tokens = anyio.to_thread.current_default_thread_limiter().total_tokens
+            release.set()
+            return await held, burst, probe, tokens
+
+    try:
+        held, burst, probe, tokens = asyncio.run(scenario())
+    finally:
+        release.set()
+    assert held.status_code == 200
+    assert {r.status_code for r in burst} == {503}
+    assert all(int(r.headers["retry-after"]) >= 1 for r in burst)
+    assert all(r.headers["content-type"] == "application/problem+json" for r in burst)
+    assert probe.status_code == 200
+    assert tokens == tiny.api_thread_tokens  # the thread pool follows the settings, not anyio's 40

@@ -142,6 +142,23 @@ def test_capacity_back_checkpoints_then_replans_up_with_the_global_batch(tmp_pat
     assert wg.actions == ["checkpoint_and_stop"]  # at max_gpus: never again
 
 
+def test_a_checkpoint_boundary_looks_for_capacity_before_the_period(tmp_path: Any) -> None:
+    """However fast the steps, a job grows within one checkpoint interval of the capacity's return."""
+    sm, wg, clock = _machine(tmp_path)
+    _poll(sm, wg, clock, 4)  # the periodic look: r1-n1 still cordoned
+    sm.update_nodes({}, [])
+    _poll(sm, wg, clock, 5, after_s=0.5)
+    assert wg.actions == []  # no commit since the last look, and grow_check_s not over
+    committed = running(wg.world, events={r: [{"kind": "checkpoint", "rank": r, "step": 5, "path": "",
+                                               "bytes": 1, "seconds": 0.1}] for r in range(wg.world)})
+    clock.advance(0.5)
+    wg.push(committed)
+    sm.step()  # the commit of step 5 is seen
+    _poll(sm, wg, clock, 6, after_s=0.5)
+    assert sm.job.progress["last_checkpoint_step"] == 5
+    assert wg.actions == ["checkpoint_and_stop"]
+
+
 def test_no_grow_while_a_checkpoint_is_in_flight_nor_beyond_max_gpus(tmp_path: Any) -> None:
     sm, wg, clock = _machine(tmp_path)
     sm.update_nodes({}, [])

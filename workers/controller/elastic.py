@@ -5,7 +5,8 @@ boundary, the global batch kept, and continues from the checkpoint it took there
 The service gives an elastic job an `ElasticPolicy`: a `ReplanPolicy` whose replanner never goes
 below `min_gpus` (`MinGpusReplanner`), plus the bound `max_gpus` for growing back (the originally
 planned world size unless the spec says more). The state machine calls `on_poll` from RUNNING /
-CHECKPOINTING, after the preemption hook: every `grow_check_s` it reads the topology and, when a
+CHECKPOINTING, after the preemption hook: every `grow_check_s` and at every checkpoint boundary (so
+within one checkpoint interval of the capacity's return) it reads the topology and, when a
 larger layout fits (`grow_layout`, pure), asks the ranks to checkpoint and stop; once they stopped
 short of the last step it replans up (a `replanned` event with the plan diff and `grew: true`) and
 goes to PLACING. The ranks restore that checkpoint resharded (DCP by FQN handles the new DP).
@@ -75,6 +76,7 @@ class Growth:
     next_check: float = 0.0  # on the controller's monotonic clock
     target: Layout | None = None  # the layout to grow to, once checkpoint-and-stop was asked
     asked_in: Attempt | None = None  # the attempt that was asked (a restart cancels the request)
+    checked_at_ckpt: int | None = None  # the last checkpoint step at which capacity was looked for
 
     @property
     def max_gpus(self) -> int:
@@ -146,10 +148,14 @@ def on_poll(sm: ControllerStateMachine, status: GroupStatus, now: float) -> Tran
 def _maybe_ask(sm: ControllerStateMachine, growth: Growth, status: GroupStatus, now: float) -> None:
     current = sm.run_cfg.layout
     busy = sm.attempt.ckpt_open is not None or sm.preemption is not None or sm.cancel_requested
-    if now < growth.next_check or current.world_size >= growth.max_gpus or busy or not sm.attempt.stepped \
+    # Every grow_check_s, and at every checkpoint boundary: a job grows back within one checkpoint
+    # interval of the capacity's return, however fast its steps are.
+    ckpt = sm.job.progress.get("last_checkpoint_step")
+    due = now >= growth.next_check or (ckpt is not None and ckpt != growth.checked_at_ckpt)
+    if not due or current.world_size >= growth.max_gpus or busy or not sm.attempt.stepped \
             or status.all_finished:
         return  # not now: at its bound, a checkpoint in flight, a notice, or not stepping yet
-    growth.next_check = now + growth.policy.grow_check_s
+    growth.next_check, growth.checked_at_ckpt = now + growth.policy.grow_check_s, ckpt
     if (sm.job.progress.get("step") or 0) >= sm.run_cfg.steps - 1:
         return  # the job ends at the next step anyway
     attributor = sm.attributor
