@@ -3,7 +3,8 @@ during a checkpoint save}, a persistent bit flip with two replicas settled by a 
 timings), plus the replicas' majority vote (DP 3), a harmful gradient bit flip
 (exponent, > 2^10), a replan when a node's loss leaves too little capacity, and a spent restart
 budget. The peer path (kill_rank, kill_node x the three timings, replicas on two nodes: 0 steps lost,
-the fault-free digest) and DP 1 (the checkpoint, same timings) have their own cells. Killing the service, at the same three timings, is test_service_kill_matrix.py; a replan
+the fault-free digest) and DP 1 (the checkpoint, same timings) have their own cells. Killing the
+service, at the same three timings, is test_service_kill_matrix.py; a replan
 that changes the TP degree and the ZeRO stage is test_replan_layouts.py."""
 
 from __future__ import annotations

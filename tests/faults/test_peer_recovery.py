@@ -4,6 +4,8 @@ restart event says which path was taken and why. Real controller, rank actors an
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.faults.harness import (
@@ -83,6 +85,16 @@ def test_a_rank_killed_during_a_checkpoint_save_loses_no_step(tmp_path):
     restart = _peer_restart(snap)
     assert restart["replaced"] == [0] and restart["recovery"]["sources"] == {"0": 1}
     assert restart["recovery"]["step"] == EVERY
+    assert events(snap, "restore")[0]["steps_lost"] == 0
+
+
+def test_a_bf16_run_hands_over_its_fp32_masters(tmp_path):
+    """bf16 compute with fp32 masters and AdamW state: the peer sends the masters, so the run still
+    ends bit-identical to a fault-free one."""
+    cfg = dataclasses.replace(job_cfg(str(tmp_path / "ckpt")), precision="bf16_fp32_adam")
+    snap = run_job("peer-bf16", cfg, options({"kind": "kill_rank", "rank": 1, "at_step": 3}))
+    assert_succeeded_like_fault_free(snap, cfg)
+    assert _peer_restart(snap)["recovery"]["sources"] == {"1": 0}
     assert events(snap, "restore")[0]["steps_lost"] == 0
 
 

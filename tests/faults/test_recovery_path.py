@@ -47,7 +47,6 @@ def test_the_checkpoint_is_used_when_no_peer_can_stand_in():
     cases = [
         (_cfg(Layout(dp=1)), _ranks(Layout(dp=1)), {0}, {}, "no DP replica"),
         (_cfg(Layout(dp=2, zero_stage=1)), _ranks(dp2), {0}, kept, "ZeRO-1 shards the optimizer"),
-        (_cfg(dp2, precision="bf16_fp32_adam"), _ranks(dp2), {0}, kept, "precision bf16_fp32_adam"),
         (_cfg(dp2), _ranks(dp2), {0}, {1: None}, "kept no whole step"),
         (_cfg(Layout(dp=3)), _ranks(Layout(dp=3)), {0}, {1: 4, 2: 5}, "different steps [4, 5]"),
     ]
@@ -55,6 +54,12 @@ def test_the_checkpoint_is_used_when_no_peer_can_stand_in():
         path = choose(cfg, ranks, lost, kept_steps)
         assert path.path == "checkpoint" and why in path.why, (path, why)
         assert path.sources == {}
+
+
+def test_a_bf16_run_with_replicas_takes_the_peer_path():
+    dp2 = Layout(dp=2)
+    path = choose(_cfg(dp2, precision="bf16_fp32_adam"), _ranks(dp2), {0}, {1: 5})
+    assert (path.path, path.step, path.sources) == ("peer", 5, {0: 1})
 
 
 def test_a_lost_shard_with_no_survivor_and_the_switch_off_use_the_checkpoint():

@@ -13,8 +13,9 @@ rank's `Trainer` on a fresh process group; then
   fingerprint of training.integrity.fingerprint); a disagreement fails the attempt and the
   controller falls back to the verified checkpoint.
 
-This needs replicas that hold everything a rank holds: ZeRO-0 (DDP) with fp32 parameters, no expert
-parallelism; workers.recovery_path decides when the peer path applies.
+This needs replicas that hold everything a rank holds: ZeRO-0 (DDP), no expert parallelism (a bf16
+run's fp32 masters travel in place of its bf16 copies); workers.recovery_path decides when the peer
+path applies.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from training.integrity.fingerprint import find_divergent_replicas, param_fingerprint
-from training.parallel.precision import plain_optimizer
+from training.parallel.precision import masters_in_place, plain_optimizer
 
 
 class PeerRestoreError(RuntimeError):
@@ -96,8 +97,9 @@ def capture(trainer: Any) -> KeptState:
     params = _params(trainer)
     optim = [{k: _local(v).detach() if isinstance(v, torch.Tensor) else v
               for k, v in slots.get(p, {}).items()} for p in params]
-    return KeptState(trainer.step, [_local(p).detach() for p in params], optim,
-                     dict(trainer.data.state_dict()))
+    with masters_in_place(trainer.optimizers):  # a bf16 run keeps its fp32 masters, not the copies
+        values = [_local(p).detach() for p in params]
+    return KeptState(trainer.step, values, optim, dict(trainer.data.state_dict()))
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -117,8 +119,10 @@ def _install(trainer: Any, kept: KeptState) -> None:
     owner = {p: plain_optimizer(opt) for opt in trainer.optimizers
              for g in plain_optimizer(opt).param_groups for p in g["params"]}
     device = trainer.ctx.device
-    for p, value, slots in zip(params, kept.params, kept.optim, strict=True):
-        _local(p).copy_(value.to(device))
+    with masters_in_place(trainer.optimizers):  # into the fp32 masters (bf16 copies follow on exit)
+        for p, value in zip(params, kept.params, strict=True):
+            _local(p).copy_(value.to(device))
+    for p, slots in zip(params, kept.optim, strict=True):
         if slots and p in owner:
             owner[p].state[p] = {k: _like(p, v.to(device) if v.dim() else v) if isinstance(v, torch.Tensor)
                                  else v for k, v in slots.items()}

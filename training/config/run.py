@@ -129,8 +129,8 @@ class RunConfig:
 
     def peer_recovery_blocker(self) -> str | None:
         """Why a DP peer cannot stand in for a lost rank of this run (None: it can). A peer must hold
-        all the rank's state: replicated parameters and optimizer (ZeRO-0), the fp32 parameters
-        themselves (no separate masters), no expert parallelism, and a replica at all."""
+        all the rank's state: replicated parameters and optimizer (ZeRO-0), no expert parallelism,
+        and a replica at all."""
         layout = self.layout
         if layout.dp * layout.cp == 1:
             return "no DP replica (dp x cp = 1)"
@@ -138,8 +138,6 @@ class RunConfig:
             return f"ZeRO-{layout.zero_stage} shards the optimizer state: no replica holds a rank's shard"
         if layout.ep != 1:
             return "expert parallelism: DP peers hold other experts"
-        if self.precision != "fp32":
-            return f"precision {self.precision}: the fp32 masters are not transferred yet"
         return None
 
     def to_dict(self) -> dict[str, Any]:
