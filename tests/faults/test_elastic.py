@@ -72,19 +72,12 @@ def test_the_shrink_keeps_the_global_batch_and_never_goes_below_min_gpus() -> No
 
 
 # ---- the state machine ---------------------------------------------------------------------------
-class ActionGroup(DummyWorkerGroup):
-    def __init__(self, topology: Topology) -> None:
-        super().__init__(topology)
-        self.actions: list[str] = []
-
-    def request_action(self, action: str) -> None:
-        self.actions.append(action)
 
 
-def _machine(tmp_path: Any, *, max_gpus: int = 4) -> tuple[ControllerStateMachine, ActionGroup, FakeClock]:
+def _machine(tmp_path: Any, *, max_gpus: int = 4) -> tuple[ControllerStateMachine, DummyWorkerGroup, FakeClock]:
     """An elastic job running shrunk (DP 2 x 2 micro-batches) on r1-n2; r1-n1 (2 GPUs) is cordoned."""
     clock = FakeClock()
-    wg = ActionGroup(Topology.uniform(1, 2, 2))
+    wg = DummyWorkerGroup(Topology.uniform(1, 2, 2))
     cfg = RunConfig(model=SPEC, layout=SHRUNK, steps=20,
                     checkpoint=CheckpointConfig(dir=str(tmp_path), every_steps=10))
     sm = ControllerStateMachine("el", cfg, wg, options=ControllerOptions(), clock=clock, wall_clock=clock,
@@ -100,7 +93,7 @@ def _machine(tmp_path: Any, *, max_gpus: int = 4) -> tuple[ControllerStateMachin
     return sm, wg, clock
 
 
-def _poll(sm: ControllerStateMachine, wg: ActionGroup, clock: FakeClock, step: int,
+def _poll(sm: ControllerStateMachine, wg: DummyWorkerGroup, clock: FakeClock, step: int,
           after_s: float = 6.0) -> None:
     clock.advance(after_s)
     wg.push(running(wg.world, events=step_events(wg.world, step, 3.0)))

@@ -35,6 +35,10 @@ class DummyWorkerGroup(WorkerGroup):
         self.seen_health: dict[str, str] = {}
         self.seen_cordoned: set[str] = set()
         self.landed: list[RankPlacement] | None = None  # where start() says ranks really are
+        self.actions: list[str] = []  # request_action calls, in order
+
+    def request_action(self, action: str) -> None:
+        self.actions.append(action)
 
     # ---- WorkerGroup ---------------------------------------------------------------------------
     def topology(self, health: Mapping[str, str], cordoned: Collection[str]) -> Topology:

@@ -21,13 +21,6 @@ from .dummy import DummyWorkerGroup, FakeClock, finished, running, step_events
 SPEC = ModelSpec(layers=2, hidden=32, heads=2, vocab=64, seq_len=16)
 
 
-class ActionGroup(DummyWorkerGroup):
-    def __init__(self, topology: Topology) -> None:
-        super().__init__(topology)
-        self.actions: list[str] = []
-
-    def request_action(self, action: str) -> None:
-        self.actions.append(action)
 
 
 def _ckpt(world: int, step: int) -> dict[int, list[dict[str, Any]]]:
@@ -36,9 +29,9 @@ def _ckpt(world: int, step: int) -> dict[int, list[dict[str, Any]]]:
             for r in range(world)}
 
 
-def _running_machine(tmp_path: Any) -> tuple[ControllerStateMachine, ActionGroup, FakeClock]:
+def _running_machine(tmp_path: Any) -> tuple[ControllerStateMachine, DummyWorkerGroup, FakeClock]:
     clock = FakeClock()
-    wg = ActionGroup(Topology.uniform(1, 1, 2))
+    wg = DummyWorkerGroup(Topology.uniform(1, 1, 2))
     cfg = RunConfig(model=SPEC, layout=Layout(dp=2), steps=20,
                     checkpoint=CheckpointConfig(dir=str(tmp_path), every_steps=5))
     sm = ControllerStateMachine("j1", cfg, wg, options=ControllerOptions(), clock=clock, wall_clock=clock)
@@ -105,7 +98,7 @@ def test_a_job_that_finishes_before_the_notice_takes_effect_succeeds(tmp_path: A
 
 def test_a_notice_while_not_training_stops_at_once(tmp_path: Any) -> None:
     clock = FakeClock()
-    wg = ActionGroup(Topology.uniform(1, 1, 2))
+    wg = DummyWorkerGroup(Topology.uniform(1, 1, 2))
     cfg = RunConfig(model=SPEC, layout=Layout(dp=2), steps=20, checkpoint=CheckpointConfig(dir=str(tmp_path)))
     sm = ControllerStateMachine("j1", cfg, wg, options=ControllerOptions(), clock=clock, wall_clock=clock)
     preempt.request(sm, "drain", grace_s=60)
