@@ -74,7 +74,8 @@ def test_the_shrink_keeps_the_global_batch_and_never_goes_below_min_gpus() -> No
 # ---- the state machine ---------------------------------------------------------------------------
 
 
-def _machine(tmp_path: Any, *, max_gpus: int = 4) -> tuple[ControllerStateMachine, DummyWorkerGroup, FakeClock]:
+def _machine(tmp_path: Any, *, max_gpus: int = 4
+             ) -> tuple[ControllerStateMachine, DummyWorkerGroup, FakeClock]:
     """An elastic job running shrunk (DP 2 x 2 micro-batches) on r1-n2; r1-n1 (2 GPUs) is cordoned."""
     clock = FakeClock()
     wg = DummyWorkerGroup(Topology.uniform(1, 2, 2))
