@@ -7,65 +7,22 @@ has enough devices, gloo on CPU otherwise) and returns what rank 0's function re
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import platform
 import statistics
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from training.parallel.dist import free_port
-
-
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
-    os.environ["LOCAL_RANK"] = str(rank)
-    threads = max(1, (os.cpu_count() or 1) // world)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    torch.set_num_threads(threads)
-    from training.parallel.dist import default_backend, init_distributed, shutdown
-
-    backend = default_backend()
-    if backend == "nccl" and torch.cuda.device_count() < world:
-        backend = "gloo"  # NCCL needs a GPU per rank
-    try:
-        init_distributed(rank, world, "127.0.0.1", port, backend=backend, timeout_s=600)
-        result = fn(rank, world, *args)
-        queue.put((rank, True, result))
-    except BaseException:  # noqa: BLE001 - report anything to the parent
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        try:
-            shutdown()
-        except Exception:  # noqa: BLE001
-            pass
+from training.parallel.local_ranks import run_local_ranks
 
 
 def spawn(world: int, fn: Callable[..., Any], args: tuple = (), timeout_s: float = 1200.0) -> Any:
     """Run `fn(rank, world, *args)` on `world` processes; return rank 0's result (plain Python data)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in range(world):
-            rank, ok, payload = queue.get(timeout=timeout_s)
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return results[0]
+    return run_local_ranks(world, fn, args, timeout_s=timeout_s)[0]
 
 
 def bench_device(rank: int) -> torch.device:

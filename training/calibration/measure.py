@@ -7,11 +7,9 @@ around each repeat.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import statistics
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from training.parallel.dist import default_backend, default_device, free_port, init_distributed, shutdown
+from training.parallel.dist import default_device
+from training.parallel.local_ranks import LocalRankError, run_local_ranks
 
 log = logging.getLogger(__name__)
 
@@ -135,55 +134,28 @@ def _collective_ops(rank: int, x: torch.Tensor, world: int) -> dict[str, Callabl
     }
 
 
-def _collective_rank(rank: int, world: int, port: int, grid: Grid, queue: Any) -> None:
-    try:
-        os.environ["LOCAL_RANK"] = str(rank)
-        torch.set_num_threads(1)
-        backend = default_backend()
-        if backend == "nccl" and torch.cuda.device_count() < world:
-            backend = "gloo"
-        init_distributed(rank, world, "127.0.0.1", port, backend=backend, timeout_s=60)
-        device = default_device() if backend == "nccl" else torch.device("cpu")
-        import torch.distributed as dist
+def _collective_rank(rank: int, world: int, grid: Grid) -> dict[str, Any]:
+    import torch.distributed as dist
 
-        out: dict[str, list[list[float]]] = {k: [] for k in COLLECTIVES}
-        for nbytes in grid.message_bytes:
-            x = torch.ones(nbytes // 4, device=device)
-            ops = _collective_ops(rank, x, world)
-            for name, op in ops.items():
-                dist.barrier()
-                out[name].append([float(nbytes), _best_time(op, device, grid.repeats)])
-        queue.put((rank, True, {"backend": backend, "collectives": out}))
-    except BaseException:  # noqa: BLE001 - the parent reports any failure of a rank
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        try:
-            shutdown()
-        except Exception:  # noqa: BLE001
-            pass
+    backend = dist.get_backend()
+    device = default_device() if backend == "nccl" else torch.device("cpu")
+    out: dict[str, list[list[float]]] = {k: [] for k in COLLECTIVES}
+    for nbytes in grid.message_bytes:
+        x = torch.ones(nbytes // 4, device=device)
+        ops = _collective_ops(rank, x, world)
+        for name, op in ops.items():
+            dist.barrier()
+            out[name].append([float(nbytes), _best_time(op, device, grid.repeats)])
+    return {"backend": backend, "collectives": out}
 
 
 def measure_collectives(grid: Grid, world: int = 2, timeout_s: float = 60.0) -> dict[str, Any]:
     """{backend, collectives: kind -> [(bytes, seconds)]} between `world` ranks spawned on this node."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_collective_rank, args=(r, world, port, grid, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
     try:
-        for _ in range(world):
-            rank, ok, payload = queue.get(timeout=timeout_s)
-            if not ok:
-                raise RuntimeError(f"calibration rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return results[0]
+        return run_local_ranks(world, _collective_rank, (grid,), threads=1, timeout_s=timeout_s,
+                               init_timeout_s=60)[0]
+    except LocalRankError as e:
+        raise RuntimeError(f"calibration: {e}") from e
 
 
 def measure_op_overhead(device: torch.device, repeats: int, ops: int = 64) -> float:
