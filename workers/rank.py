@@ -125,6 +125,17 @@ class RankActor:
     def ping(self) -> bool:
         return True
 
+    def replay(self, cfg_dict: dict[str, Any], snapshot: str) -> dict[str, Any]:
+        """As the SDC referee (a warm spare, workers.referee): replay one DP step alone from the
+        replicas' pre-step snapshot; its parameter fingerprint (training.integrity.referee)."""
+        import torch
+
+        from training.config.run import RunConfig
+        from training.integrity.referee import replay_step
+
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        return replay_step(RunConfig.from_dict(cfg_dict), snapshot)
+
     def warm_since(self) -> float:  # when this actor was up with its imports done (wall clock)
         return self.ready_at
 

@@ -402,6 +402,15 @@ class JobSpares:
         log.info("job %s: rank %d replaced by a warm spare", self.job_id, r.rank)
         return handle
 
+    def for_referee(self, exclude: Collection[str]) -> Any | None:
+        """A warm spare outside `exclude` (the suspects' nodes) for the SDC referee, or None."""
+        pool = self.pool
+        if pool is None:
+            return None
+        handle = pool.take(exclude_nodes={*self.exclude(), *exclude})
+        pool.refill()
+        return handle
+
     def describe(self) -> list[dict[str, Any]]:
         pool = self.pool  # read once: the controller's poll thread calls this while its loop runs
         if pool is None:

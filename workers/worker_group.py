@@ -168,6 +168,10 @@ class RayWorkerGroup(WorkerGroup):
     def describe_spares(self) -> list[dict[str, Any]]:
         return self._spares.describe()
 
+    def referee_spare(self, exclude: Collection[str]) -> Any | None:
+        """A warm spare outside `exclude` for the SDC referee (workers.referee), or None."""
+        return self._spares.for_referee(exclude)
+
     def replacement_info(self) -> dict[str, Any]:
         return self._spares.replacement_info(self.poll_timeout_s)
 

@@ -98,13 +98,15 @@ def test_bitflip_in_one_of_two_replicas_is_attributed_by_rerun_and_its_node_quar
     assert_kept_off(snap, node, "node_quarantined")
 
 
-def test_persistent_flip_with_two_replicas_is_settled_by_a_spare(tmp_path):
+@pytest.mark.parametrize("spares", [0, 1], ids=["on-demand", "hot-spare"])
+def test_persistent_flip_with_two_replicas_is_settled_by_a_spare(tmp_path, spares):
     """The re-run reproduces the flip (a faulty device), so two replicas cannot tell which is wrong;
-    a spare on a third, healthy node replays the step and names the replica it disagrees with."""
+    a spare on a third, healthy node replays the step and names the replica it disagrees with: the
+    job's warm hot spare when it keeps one, else a process started for it."""
     cfg = job_cfg(str(tmp_path / "ckpt"))
     flip = {"kind": "bitflip", "rank": 1, "at_step": 3, "target": "param", "bit": 30, "index": 7,
             "persistent": True}
-    snap = run_job("ft-referee", cfg, options(flip))
+    snap = run_job(f"ft-referee-{spares}", cfg, options(flip, spares=spares))
     assert_succeeded_like_fault_free(snap, cfg)
     assert_in_order(snap, ["fault_injected", "integrity_error", "failure", "referee_started", "referee",
                            "attributed", "node_quarantined", "restart", "restore", "resumed", "finished"])
@@ -114,6 +116,7 @@ def test_persistent_flip_with_two_replicas_is_settled_by_a_spare(tmp_path):
     assert referee["culprits"] == [1] and referee["healthy"] == [0]
     assert referee["fingerprint"] == referee["fingerprints"]["0"] != referee["fingerprints"]["1"]
     assert referee["node"] not in started["suspects"]  # the spare ran outside both replicas' nodes
+    assert referee["warm_spare"] is (spares == 1)
     attributed = sdc_attribution(snap)
     assert attributed["ranks"] == [1]
     node = attributed["nodes"][0]

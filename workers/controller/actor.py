@@ -80,7 +80,7 @@ class JobController:
             job_id, run_cfg, group, options=opts, failure_policy=failure_policy,
             scaling_policy=scaling_policy, health=health, cordoned=cordoned,
             node_killer=kill_node, checkpoint_ops=LocalCheckpointOps(),
-            referee=RayReferee(opts.cpus_per_rank, opts.env_vars),
+            referee=RayReferee(opts.cpus_per_rank, opts.env_vars, spare=group.referee_spare),
         )
         self._thread = threading.Thread(target=self._loop, name=f"lattice-controller-{job_id}", daemon=True)
         self._thread.start()

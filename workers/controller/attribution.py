@@ -124,7 +124,8 @@ class Attributor:
             result = {"error": f"{type(e).__name__}: {e}"}
         culprits, healthy = decide(request, result)
         record = {**{k: v for k, v in request.items() if k != "snapshot"}, "node": result.get("node"),
-                  "fingerprint": result.get("fingerprint"), "culprits": culprits, "healthy": healthy}
+                  "fingerprint": result.get("fingerprint"), "culprits": culprits, "healthy": healthy,
+                  "warm_spare": bool(result.get("warm_spare"))}
         if not culprits:
             why = result.get("error") or "its result matches neither replica"
             self._events.emit(EventKind.REFEREE_INCONCLUSIVE, f"the referee could not tell the replicas "
