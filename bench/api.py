@@ -9,7 +9,10 @@ throughput, p50 and p99 latency of accepted requests and p99 of refusals.
 With several `--rates` it also prints the knee (the offered rate with the most accepted throughput)
 and, for each higher rate, accepted throughput as a fraction of the knee's: graceful overload keeps it
 near 1.0 while the excess is refused fast. The per-token rate limit is off for the run (one token
-drives the whole load); `LATTICE_MAX_INFLIGHT_REQUESTS` bounds what the API holds.
+drives the whole load); `LATTICE_API_THREADS`, `LATTICE_MAX_QUEUE_WAIT_MS` and
+`LATTICE_MAX_INFLIGHT_REQUESTS` shape what the API runs, queues and refuses (`--server-env` sets them).
+The generator is a lean HTTP/1.1 client (httpx cost more CPU per request than the server); latency
+counts from each request's scheduled send time; `/healthz` is probed every 100 ms throughout.
 
 `--role api` starts `lattice serve --role api` (HTTP only, no Ray: what a production replica runs;
 when `serve` has no `--role`, it says so and measures the full server). `--replicas 1,2` runs, at

@@ -2,8 +2,10 @@
 ASGI transport on this thread's event loop; the sync routes run inline instead of on a worker
 thread, so that the profile sees the whole request) against SQLite and PostgreSQL, after a warm-up.
 Prints, per backend and operation, the mean wall time per request, the SQL statements each request
-sends (by kind: BEGIN, SELECT, INSERT, UPDATE, COMMIT), the own time by layer (SQLAlchemy,
-pydantic, JSON, starlette, Lattice's own, ...) and the functions with the most cumulative time.
+sends (by kind: BEGIN, SELECT, INSERT, UPDATE, COMMIT) and its hops to a worker thread (every
+sync dependency and the sync route itself; each waits for a thread when the API is busy), the own
+time by layer (SQLAlchemy, pydantic, JSON, starlette, Lattice's own, ...) and the functions with
+the most cumulative time.
 
     python bench/profile_api.py                        # both backends, 200 of each
     python bench/profile_api.py --backends sqlite --n 100 --top 25
@@ -83,7 +85,8 @@ def profile(
     for (filename, _, _), (_, _, tottime, _, _) in stats.stats.items():  # type: ignore[attr-defined]
         per_layer[_layer(filename)] += tottime / n
     statements = ", ".join(f"{k} {v / n:.1f}" for k, v in sorted(counter.counts.items()))
-    print(f"\n== {label}: {wall * 1e3:.2f} ms/request wall; statements per request: {statements}")
+    print(f"\n== {label}: {wall * 1e3:.2f} ms/request wall; "
+          f"statements and thread hops per request: {statements}")
     print("   own time per request by layer: " + ", ".join(
         f"{k} {v * 1e3:.2f} ms" for k, v in per_layer.most_common()))
     stats.sort_stats("cumulative").print_stats(top)
@@ -112,6 +115,7 @@ def run_backend(backend: str, url: str, n: int, top: int) -> None:
     ids: list[str] = []
 
     async def inline(func: Callable[..., Any], *args: Any, **_: Any) -> Any:
+        counter.counts["thread hop"] += 1  # each is a wait for a worker thread when the API is busy
         return func(*args)
 
     anyio.to_thread.run_sync = inline  # type: ignore[assignment]  # the whole request on this thread

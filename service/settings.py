@@ -147,7 +147,7 @@ class Settings(BaseSettings):
     )
     max_inflight_requests: int = Field(
         64, ge=0, description="Requests the API holds at once (running or waiting for a thread); past it "
-        "503 with Retry-After at once. 0 = no bound.",
+        "503 with Retry-After at once. 0 = never shed (requests wait for an API slot without bound).",
     )
     api_threads: int = Field(
         4, ge=1, le=256, description="Requests an API process runs at once, each on a worker thread (a "
@@ -155,9 +155,9 @@ class Settings(BaseSettings):
         "sheds, off the GIL's queue; the database pool holds a connection for each thread.",
     )
     max_queue_wait_ms: float = Field(
-        200.0, gt=0, le=60_000, description="Bound on the wait for a free API slot: a request that would "
-        "wait longer (the oldest waiter's wait, or the queue ahead times the mean slot time) gets 503 with "
-        "Retry-After at once; one already queued gives up after 10 times this.",
+        200.0, gt=0, le=60_000, description="Bound on the wait for a free API slot: while the oldest "
+        "waiting request has waited longer, new ones get 503 with Retry-After at once; one already queued "
+        "gives up after 10 times this.",
     )
     rate_limit_per_s: float = Field(
         100.0, ge=0, description="Requests per second per token (per client address without one); "

@@ -3,11 +3,10 @@
 Two pure ASGI middlewares, both answering before authentication, parsing or a worker thread:
 
 - `LoadShedMiddleware`: the API runs a few requests at once (a slot per worker thread) and measures
-  its own queue for them: a request that would wait longer than a bound (measured: the oldest
-  waiter's age; expected: the queue ahead times the mean slot time), or past `max_inflight` held in
-  all, gets 503 with `Retry-After` on the event loop. Accepted work keeps its latency, so accepted
-  throughput does not fall as offered load rises. (Before: 40 threads behind a bound of 64 in flight;
-  the threads fought the event loop for the GIL and requests waited seconds before reaching the bound.)
+  its own queue for them: while the oldest waiter has waited longer than a bound, or past
+  `max_inflight` held in all, a new request gets 503 with `Retry-After` on the event loop. Accepted
+  work waits at most about the bound. (Before: 40 threads behind a bound of 64 in flight; the
+  threads fought the event loop for the GIL, so probes and 503s waited too.)
 - `RateLimitMiddleware`: a token bucket per bearer token (per client address without one);
   a request over the rate gets 429 with `Retry-After`, the seconds until the bucket has a token again.
 
@@ -32,8 +31,8 @@ EXEMPT_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 # Bounded by their own admission (the planning pool): counted in flight, but they hold no slot
 # while a worker process searches.
 UNGATED_PATHS = frozenset({"/v1/plans"})
-# A request admitted to the queue (its expected wait was within the bound) waits up to this many times
-# the bound before it is refused: a burst that arrives at once is absorbed, a stuck slot is not waited on.
+# A request admitted to the queue waits up to this many times the bound before it is refused: a burst
+# that arrives at once is absorbed, a stuck slot is not waited on forever.
 QUEUED_TIMEOUT_FACTOR = 10
 
 
@@ -62,11 +61,12 @@ class LoadShedMiddleware:
     """Run at most `concurrency` requests at once (one worker thread each), queue a few more FIFO, and
     answer the rest 503 + Retry-After at once, on the event loop.
 
-    A request is refused on arrival when `max_inflight` requests are already held (0: no bound), or when
-    the wait it would have for a slot exceeds `max_queue_wait_s`: measured (the oldest waiter's age) or
-    expected (the requests ahead of it times the mean time a request holds a slot, over `concurrency`).
-    A queued request that still has no slot after QUEUED_TIMEOUT_FACTOR times that (a handler stuck, a
-    burst larger than the estimate knew) is refused then. A request gives its slot
+    A request is refused on arrival when `max_inflight` requests are already held (0: never shed; the
+    queue for a slot is then unbounded, the old "no bound"), or when the queue for a slot is older
+    than `max_queue_wait_s` (the oldest waiter's age: under sustained overload the queue holds about
+    that much work, so accepted requests wait about that long, while a burst that arrives at once is
+    absorbed up to `max_inflight`). A queued request that still has no slot after
+    QUEUED_TIMEOUT_FACTOR times that (a handler stuck) is refused then. A request gives its slot
     back when its response starts, so a long stream (a followed log) does not hold one. With `threads`,
     the middleware sizes anyio's default thread limiter (FastAPI's sync routes and dependencies) to it:
     few threads keep the event loop, which admits and sheds, from starving on the GIL.
@@ -85,7 +85,6 @@ class LoadShedMiddleware:
         # The event loop is single-threaded: no lock needed for any of these.
         self.inflight = 0  # requests held: running or queued
         self.running = 0  # requests holding a slot
-        self.hold_s = 0.0  # mean seconds a request holds its slot (EWMA)
         self._waiters: deque[_Waiter] = deque()
 
     @property
@@ -96,7 +95,9 @@ class LoadShedMiddleware:
         return self.clock() - self._waiters[0].since if self._waiters else 0.0
 
     def _refusal(self, gated: bool) -> str | None:
-        if self.max_inflight > 0 and self.inflight >= self.max_inflight:
+        if self.max_inflight <= 0:
+            return None
+        if self.inflight >= self.max_inflight:
             return f"the API is at its bound of {self.max_inflight} requests in flight; retry later"
         if not gated or self.running < self.concurrency:
             return None
@@ -104,12 +105,6 @@ class LoadShedMiddleware:
         waited = self.oldest_wait_s()
         if waited >= self.max_queue_wait_s:
             return (f"the oldest request waiting for a worker has waited {waited * 1e3:.0f} ms (the bound is "
-                    f"{bound_ms:.0f} ms); retry later")
-        # Little's law (L = lambda W): with `concurrency` slots each held hold_s, the queue ahead drains
-        # at concurrency / hold_s requests a second.
-        expected = (len(self._waiters) + 1) * self.hold_s / self.concurrency
-        if expected >= self.max_queue_wait_s:
-            return (f"a request would wait about {expected * 1e3:.0f} ms for a worker (the bound is "
                     f"{bound_ms:.0f} ms); retry later")
         return None
 
@@ -121,7 +116,8 @@ class LoadShedMiddleware:
         waiter = _Waiter(self.clock())
         self._waiters.append(waiter)
         try:
-            with anyio.move_on_after(self.max_queue_wait_s * QUEUED_TIMEOUT_FACTOR):
+            backstop = self.max_queue_wait_s * QUEUED_TIMEOUT_FACTOR if self.max_inflight > 0 else None
+            with anyio.move_on_after(backstop):
                 await waiter.event.wait()
         except BaseException:  # cancelled (the client went away): give back what was handed over
             if waiter.granted:
@@ -147,11 +143,11 @@ class LoadShedMiddleware:
             limiter.total_tokens = self.threads
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.threads > 0 and scope["type"] == "http":
+            self._size_threads()
         if scope["type"] != "http" or scope.get("path") in EXEMPT_PATHS:
             await self.app(scope, receive, send)
             return
-        if self.threads > 0:
-            self._size_threads()
         gated = self.concurrency > 0 and scope.get("path") not in UNGATED_PATHS
         refusal = self._refusal(gated)
         if refusal is not None:
@@ -171,15 +167,12 @@ class LoadShedMiddleware:
             self.inflight -= 1
 
     async def _run_holding_slot(self, scope: Scope, receive: Receive, send: Send) -> None:
-        acquired = self.clock()
         held = True
 
         def release() -> None:
             nonlocal held
             if held:
                 held = False
-                # EWMA with weight 1/8 per sample (the smoothing of TCP's SRTT, RFC 6298).
-                self.hold_s += (self.clock() - acquired - self.hold_s) / 8
                 self._release()
 
         async def send_releasing(message: Message) -> None:

@@ -117,7 +117,8 @@ def test_controller_events_are_stored_with_side_effects(db_session_factory: sess
     assert stored[1].payload["cseq"] == 1 and stored[4].payload["cseq"] == 4
     assert ckpts == [(2, "/c/2", True), (3, "/c/3", False)]  # verified: integrity checked at step 2, not 3
     assert (node.health, node.fault_count) == ("suspect", 1)
-    assert plan == {"layout": {"tp": 2}, "replanned_from": {"tp": 1}}
+    # the layout planned first is kept: an elastic job grows back to it (workers.controller.elastic)
+    assert plan == {"layout": {"tp": 2}, "replanned_from": {"tp": 1}, "planned_layout": {"tp": 1}}
 
 
 def test_a_plan_for_another_gpu_type_is_redone_for_the_live_cluster(
