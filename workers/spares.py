@@ -404,11 +404,10 @@ class JobSpares:
 
     def for_referee(self, exclude: Collection[str]) -> Any | None:
         """A warm spare outside `exclude` (the suspects' nodes) for the SDC referee, or None."""
-        pool = self.pool
-        if pool is None:
+        if self.pool is None:
             return None
-        handle = pool.take(exclude_nodes={*self.exclude(), *exclude})
-        pool.refill()
+        handle = self.pool.take(exclude_nodes={*self.exclude(), *exclude})
+        self.pool.refill()
         return handle
 
     def describe(self) -> list[dict[str, Any]]:
@@ -447,5 +446,5 @@ class JobSpares:
             self.pool = None
 
 
-__all__ = ["SPARE_RANK", "JobSpares", "RaySpareBackend", "Spare", "SpareBackend", "SparePool", "choose_spare",
-           "fill_targets", "unusable_nodes"]
+__all__ = ["SPARE_RANK", "JobSpares", "RaySpareBackend", "Spare", "SpareBackend", "SparePool",
+           "choose_spare", "fill_targets", "unusable_nodes"]

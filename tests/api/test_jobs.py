@@ -7,11 +7,13 @@ import asyncio
 import httpx
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select
+from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import store
+from service.api.app import create_app
 from service.schemas import DEMO_SPEC
+from service.settings import Settings
 from service.store.models import Job, JobState
 from tests.api.conftest import bearer
 from tests.api.specs import tiny
@@ -169,8 +171,12 @@ def test_idempotency_key_replays_or_conflicts(client: TestClient, tokens: dict[s
 
 
 def test_twenty_concurrent_submits_with_one_key_create_one_job(
-    app: FastAPI, tokens: dict[str, str], db_session_factory: sessionmaker[Session]
+    settings: Settings, db_engine: Engine, tokens: dict[str, str], db_session_factory: sessionmaker[Session]
 ) -> None:
+    # Idempotency under a burst, not load shedding: the burst waits for the API's slots however slow
+    # the machine (LATTICE_MAX_INFLIGHT_REQUESTS=0; shedding is tests/api/test_overload.py's).
+    app = create_app(settings.model_copy(update={"max_inflight_requests": 0}), engine=db_engine)
+
     async def burst() -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://lattice") as c:
