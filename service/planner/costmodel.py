@@ -42,8 +42,8 @@ from training.config.spec import ModelSpec
 
 # Communication overlapped with compute is not free: collective kernels occupy SMs and HBM bandwidth
 # (NCCL runs 16-32 channels, i.e. SMs, of 132 on an H100). Each overlapped second costs this much
-# compute time (calibration, docs/planner.md).
-OVERLAP_SLOWDOWN = 0.15
+# compute time (calibration, docs/planner.md); per device type: GpuType.overlap_slowdown.
+OVERLAP_SLOWDOWN = GpuType.overlap_slowdown
 # HBM bytes per attention score element of unfused attention, forward + backward: bf16 scores written
 # and read by the fused scale-mask-softmax (4), dropout read/write plus a 1-byte mask (5), AV reads the
 # probabilities (2); backward reads them again and writes the score gradients (~2x): ~24 bytes.
@@ -301,7 +301,7 @@ class Micro:
             self.cp_bytes = cp_ring_bytes_per_layer(kv_local, cp)
             ring_t = self.cp_bytes / fam.cp_tier.bw + (2 * cp - 1) * fam.cp_tier.latency
             attn_time = t_attn
-            self.t_cp = max(0.0, ring_t - attn_time) + OVERLAP_SLOWDOWN * min(ring_t, attn_time)
+            self.t_cp = max(0.0, ring_t - attn_time) + env.gpu.overlap_slowdown * min(ring_t, attn_time)
         else:
             self.cp_bytes, self.t_cp = 0.0, 0.0
         # EP: dispatch and combine all-to-alls, forward and backward, in the MoE share of the layers
@@ -314,7 +314,7 @@ class Micro:
             self.ep_bytes = frac * ep_all_to_all_bytes_per_layer(tokens / tp, m.top_k, h, fam.ep)
             a2a = self.ep_bytes / fam.ep_tier.bw + frac * 4 * (fam.ep - 1) * fam.ep_tier.latency
             window = self.t_compute_plain
-            self.t_ep = max(0.0, a2a - window) + OVERLAP_SLOWDOWN * min(a2a, window)
+            self.t_ep = max(0.0, a2a - window) + env.gpu.overlap_slowdown * min(a2a, window)
         else:
             self.ep_bytes, self.t_ep = 0.0, 0.0
         self.t_layer = self.t_compute + self.t_tp + self.t_cp + self.t_ep
@@ -369,7 +369,7 @@ def dp_exposed(stage: Stage, combo: Combo, z: int) -> float:
     total = stage.dp_once[z] + combo.m * stage.dp_per_mb[z]
     window = combo.compute_mb * (combo.m if z >= 2 else 1)
     exposed = max(total - window, total / stage.layers)
-    return exposed + OVERLAP_SLOWDOWN * (total - exposed)
+    return exposed + stage.fam.env.gpu.overlap_slowdown * (total - exposed)
 
 
 def finish(stage: Stage, combo: Combo, z: int) -> tuple[float, float]:

@@ -31,6 +31,10 @@ class GpuType:
     reserve_fixed_bytes: int  # CUDA context, kernels, NCCL buffers
     reserve_fraction: float  # allocator fragmentation, as a fraction of HBM
     description: str = ""
+    # Compute time each second of communication overlapped with compute costs: NCCL's kernels take
+    # 16-32 of an H100's 132 SMs and HBM bandwidth (0.15, calibrated: docs/planner.md); gloo reduces
+    # on the CPU threads the ranks compute on, so on a CPU an overlapped second costs a whole second.
+    overlap_slowdown: float = 0.15
 
     @property
     def reserve_bytes(self) -> int:
@@ -93,6 +97,7 @@ GPU_CATALOG: dict[str, GpuType] = {
         reserve_fixed_bytes=0,
         reserve_fraction=0.0,
         description="embedded CPU cluster (gloo processes; memory is a planning budget, see docs/planner.md)",
+        overlap_slowdown=1.0,
     ),  # fmt: skip
 }
 
