@@ -16,8 +16,9 @@ tensor parallelism than those runs could use).
 Target (issue 16): ratio within 0.85..1.15 on >= 80% of rows, with no per-row constant.
 
 `--machine` calibrates this machine (`lattice calibrate`'s measurement, not stored), then runs the demo
-model DP-only with `training.run` under torchrun (1 and 2 ranks, global batch 8) and prints the predicted
-step time (the planner with that profile) next to the median measured step after 3 warm-up steps.
+model with `training.run` under torchrun in five layouts of 1 or 2 ranks (DP 1, DP 2, TP 2, PP 2 with
+1F1B, ZeRO-3 DP 2; global batch 8) and prints the predicted step time (the planner with that profile)
+next to the median measured step after 3 warm-up steps.
 """
 
 from __future__ import annotations
@@ -123,17 +124,30 @@ def published_flops(row: Row, planner_flops: float) -> float:
 DEMO_JOB = """model: {layers: 4, hidden: 128, heads: 8, kv_heads: 2, vocab: 512, seq_len: 64}
 data: {kind: synthetic, seed: 0}
 train: {steps: %d, global_batch: 8, lr: 0.003, seed: 0}
-parallelism: {dp: %d, micro_batch_size: 4, num_microbatches: %d}
+parallelism: {%s}
 """
+# The demo model's layouts on at most 2 ranks (this machine has 2 cores): DP only, TP, PP with 1F1B,
+# and ZeRO-3; global batch 8 (micro-batch 4) in each.
+DEMO_LAYOUTS = (
+    Layout(dp=1, micro_batch_size=4, num_microbatches=2),
+    Layout(dp=2, micro_batch_size=4, num_microbatches=1),
+    Layout(tp=2, micro_batch_size=4, num_microbatches=2),
+    Layout(pp=2, schedule="1f1b", micro_batch_size=4, num_microbatches=2),
+    Layout(dp=2, zero_stage=3, micro_batch_size=4, num_microbatches=1),
+)
 _STEP = re.compile(r"training\.run: step (\d+) .* ([0-9.]+)s$")
 
 
-def measure_demo(dp: int, steps: int = 15, warmup: int = 3) -> float:
-    """Median step seconds of the demo model DP-only on `dp` local ranks (training.run under torchrun)."""
+def measure_demo(lay: Layout, steps: int = 15, warmup: int = 3) -> float:
+    """Median step seconds of the demo model in layout `lay` on local ranks (training.run under torchrun)."""
+    fields = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "zero_stage": lay.zero_stage,
+              "micro_batch_size": lay.micro_batch_size, "num_microbatches": lay.num_microbatches}
+    if lay.pp > 1:
+        fields["schedule"] = lay.schedule
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "job.yaml"
-        spec.write_text(DEMO_JOB % (steps, dp, 2 // dp))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(dp),
+        spec.write_text(DEMO_JOB % (steps, ", ".join(f"{k}: {v}" for k, v in fields.items())))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(lay.world_size),
                "-m", "training.run", "--spec", str(spec)]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600, check=True)
@@ -153,14 +167,17 @@ def machine_rows() -> None:
     print(f"# calibrated this machine in {doc['meta']['seconds']} s ({doc['meta']}); load average {load:.1f}")
     print(f"{'demo layout':32s} {'pred ms':>8s} {'catalog ms':>10s} {'measured ms':>11s} {'ratio':>6s}")
     model = get_preset("demo")
-    for dp in (1, 2):
-        lay = Layout(dp=dp, micro_batch_size=4, num_microbatches=2 // dp)
+    within = 0
+    for lay in DEMO_LAYOUTS:
         train = TrainSpec(8, model.seq_len, precision="fp32")
-        pred = evaluate(model, train, Cluster("cpu-virtual", dp, profile=profile), lay).step_time_s
-        catalog = evaluate(model, train, Cluster("cpu-virtual", dp), lay).step_time_s
-        measured = measure_demo(dp)
+        n = lay.world_size
+        pred = evaluate(model, train, Cluster("cpu-virtual", n, profile=profile), lay).step_time_s
+        catalog = evaluate(model, train, Cluster("cpu-virtual", n), lay).step_time_s
+        measured = measure_demo(lay)
+        within += 0.75 <= measured / pred <= 1.25
         print(f"{lay.describe():32s} {pred * 1e3:8.1f} {catalog * 1e3:10.1f} {measured * 1e3:11.1f} "
               f"{measured / pred:6.2f}  (load average {os.getloadavg()[0]:.1f})")  # fmt: skip
+    print(f"# measured within +-25% of the prediction: {within}/{len(DEMO_LAYOUTS)} layouts")
 
 
 def main() -> None:
