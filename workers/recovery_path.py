@@ -11,17 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from training.config.run import RunConfig
-
-
-class Coordinates(Protocol):
-    rank: int
-    pp: int
-    dp: int
-    cp: int
-    tp: int
+from workers.placement import RankPlacement
 
 
 @dataclass(frozen=True)
@@ -39,7 +32,7 @@ class RecoveryPath:
         return out
 
 
-def choose(run_cfg: RunConfig, ranks: Sequence[Coordinates], lost: Collection[int],
+def choose(run_cfg: RunConfig, ranks: Sequence[RankPlacement], lost: Collection[int],
            kept: Mapping[int, int | None], *, enabled: bool = True) -> RecoveryPath:
     """`ranks`: every rank's coordinates; `lost`: the ranks being replaced; `kept`: each survivor's
     kept step (None: it kept nothing, e.g. it failed inside an optimizer update)."""
