@@ -43,12 +43,13 @@ def progress_timeout(options: ControllerOptions, stepped: bool, saving: bool) ->
 def death(
     ranks: list[int], status: GroupStatus, attempt: Attempt, node_gone: Callable[[str], bool], step: Any
 ) -> Failure:
-    """`ranks` died: a node death if their node left the cluster, else a rank death."""
+    """`ranks` died: a node death if their node left the cluster, else a rank death. A node that
+    left takes every rank it held, including those whose death no poll has shown yet."""
     nodes = attempt.nodes(ranks)
     gone = [n for n in nodes if node_gone(n)]
     errors = {r: status.ranks[r].error for r in ranks}
     if gone:
-        on_gone = tuple(r for r in ranks if attempt.rank_node.get(r) in gone)
+        on_gone = tuple(sorted(r for r, n in attempt.rank_node.items() if n in gone))
         return Failure(FailureKind.NODE_DIED, f"node(s) {gone} died with rank(s) {list(on_gone)}",
                        on_gone, tuple(gone), step, evidence={"errors": errors})
     return Failure(FailureKind.RANK_DIED, f"rank(s) {ranks} died: {status.ranks[ranks[0]].error}",
