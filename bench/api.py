@@ -17,11 +17,17 @@ counts from each request's scheduled send time; `/healthz` is probed every 100 m
 `--role api` starts `lattice serve --role api` (HTTP only, no Ray: what a production replica runs;
 when `serve` has no `--role`, it says so and measures the full server). `--replicas 1,2` runs, at
 each offered rate, one replica and then two against the same database (the load alternating between
-them) and prints the two-replica / one-replica throughput ratio.
+them) and prints the two-replica / one-replica throughput ratio; `--workers 1,2` does the same for
+worker processes of one `--role api` server (`lattice serve --workers N`, one port).
+
+Each run also prints where the CPU went: the generator's own CPU per request sent, the servers' CPU
+(every worker process included, from /proc) per request and in cores, and the connections the
+generator had to open (a server that closes keep-alive connections makes it reconnect).
 
     python bench/api.py                                  # 200 req/s for 20 s on both backends
     python bench/api.py --rates 25,50,100,200,400 --duration 10 --backends sqlite
     python bench/api.py --role api --replicas 1,2 --rates 100,400 --duration 10
+    python -m bench.api --role api --workers 1,2 --rates 100,200,400,800 --duration 10
 """
 
 from __future__ import annotations
@@ -87,8 +93,8 @@ class Service:
     database (a fresh SQLite file, or a fresh PostgreSQL schema)."""
 
     def __init__(self, backend: str, postgres_url: str, role: str | None = None, replicas: int = 1,
-                 extra_env: dict[str, str] | None = None) -> None:
-        self.backend = backend
+                 extra_env: dict[str, str] | None = None, workers: int = 1) -> None:
+        self.backend, self.workers = backend, workers
         self.extra_env = extra_env or {}
         self.home = Path(tempfile.mkdtemp(prefix=f"lattice-bench-{backend}-"))
         self.role, self.replicas = role, replicas
@@ -115,6 +121,8 @@ class Service:
         command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
         if self.role is not None:
             command += ["--role", self.role]
+        if self.workers > 1:
+            command += ["--workers", str(self.workers)]
         log = open(self.home / f"serve-{i}.log", "w")
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
@@ -129,7 +137,28 @@ class Service:
                 log_text = (self.home / f"serve-{i}.log").read_text()
                 raise RuntimeError(f"lattice serve did not start:\n{log_text}")
             time.sleep(0.2)
+        if self.workers > 1:
+            time.sleep(5)  # /readyz answered from one worker; the others are still importing
         self.urls.append(url)
+
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by the servers and their live descendants (the worker processes)."""
+        pids = {proc.pid for proc in self.procs}
+        stats = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields:  # after "(comm)": state, ppid, ..., utime (12th), stime (13th)
+                stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+        frontier = set(pids)
+        while frontier:
+            frontier = {pid for pid, (ppid, _) in stats.items() if ppid in frontier and pid not in pids}
+            pids |= frontier
+        return sum(stats[pid][1] for pid in pids if pid in stats) / os.sysconf("SC_CLK_TCK")
 
     def __enter__(self) -> Service:
         if self.schema:
@@ -169,6 +198,7 @@ class Http1Client:
         self.fixed = "".join(line + "\r\n" for line in fixed)
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []  # (..., idle since)
         self.slots = asyncio.Semaphore(max_connections)
+        self.opened = 0  # connections this client had to open
 
     async def request(
         self, method: str, path: str, body: bytes | None = None
@@ -207,6 +237,7 @@ class Http1Client:
             if not reader.at_eof() and time.monotonic() - since < KEEPALIVE_REUSE_S:
                 return reader, writer
             writer.close()
+        self.opened += 1
         return await asyncio.open_connection(self.host, self.port)
 
 
@@ -278,7 +309,8 @@ async def drive(urls: list[str], token: str, rate: float, duration: float, seed:
         url = urls[(i // 2) % len(urls)]  # each replica gets submits and gets alike
         tasks.append(asyncio.create_task(one("submit" if i % 2 == 0 else "get", url, scheduled)))
     await asyncio.gather(*tasks)
-    stats["_wall"] = OpStats(latencies=[time.perf_counter() - t0, lag])
+    opened = sum(c.opened for c in clients.values())
+    stats["_wall"] = OpStats(latencies=[time.perf_counter() - t0, lag, opened])
     stop.set()
     await prober
     stats["_health"] = OpStats(latencies=health)
@@ -287,9 +319,10 @@ async def drive(urls: list[str], token: str, rate: float, duration: float, seed:
     return stats
 
 
-def report(backend: str, rate: float, stats: dict[str, OpStats]) -> float:
-    """Print one line per operation; return the accepted throughput of both together."""
-    wall, lag = stats.pop("_wall").latencies
+def report(backend: str, rate: float, stats: dict[str, OpStats], cpu: tuple[float, float]) -> float:
+    """Print one line per operation; return the accepted throughput of both together. `cpu`: CPU
+    seconds of the generator and of the servers during the run."""
+    wall, lag, opened = stats.pop("_wall").latencies
     health = stats.pop("_health").latencies
     accepted = 0
     for op, s in stats.items():
@@ -308,6 +341,11 @@ def report(backend: str, rate: float, stats: dict[str, OpStats]) -> float:
     print(f"{backend:<10} /healthz during the load: {len(health)} probes, p99 "
           f"{percentile(health, 0.99) * 1e3:.1f} ms, max {max(health, default=float('nan')) * 1e3:.1f} ms; "
           f"generator lag max {lag * 1e3:.0f} ms; load average {os.getloadavg()[0]:.1f}")
+    sent = sum(len(s.latencies) + len(s.refused) + s.errors + s.timeouts for s in stats.values())
+    gen, server = cpu
+    print(f"{backend:<10} CPU: generator {gen / sent * 1e3:.2f} ms/request ({gen / wall:.2f} cores), "
+          f"servers {server / sent * 1e3:.2f} ms/request ({server / wall:.2f} cores); "
+          f"{opened:.0f} connections opened")
     return accepted / wall
 
 
@@ -340,9 +378,11 @@ def main() -> None:
                         help="A setting for the servers (repeatable), e.g. LATTICE_API_THREADS=40.")
     parser.add_argument("--replicas", default="1",
                         help="Comma-separated replica counts, e.g. 1,2: each at every rate, with the ratio.")
+    parser.add_argument("--workers", default="1", help="Comma-separated `lattice serve --workers` counts "
+                        "(role api), e.g. 1,2: each at every rate, with the ratio.")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
-    replica_counts = [int(n) for n in args.replicas.split(",")]
+    configs = [(int(r), int(w)) for r in args.replicas.split(",") for w in args.workers.split(",")]
     role = args.role
     extra_env = dict(item.split("=", 1) for item in args.server_env)
     if role is not None and not serve_has_role():
@@ -351,26 +391,32 @@ def main() -> None:
     print(
         f"lattice API bench: {args.rates} req/s for {args.duration:.0f} s each per backend, "
         f"open loop, submits and gets alternating; role {role or 'all (default)'}, replicas "
-        f"{args.replicas}; {os.cpu_count()} CPUs; server settings {extra_env or 'default'}"
+        f"{args.replicas}, workers {args.workers}; {os.cpu_count()} CPUs; "
+        f"server settings {extra_env or 'default'}"
     )
-    throughput: dict[tuple[str, int], dict[float, float]] = {}
+    throughput: dict[tuple[str, int, int], dict[float, float]] = {}
     for backend in args.backends.split(","):
-        for replicas in replica_counts:
-            throughput[(backend, replicas)] = {}
-            label = backend if replicas == 1 else f"{backend}x{replicas}"
+        for replicas, workers in configs:
+            key = (backend, replicas, workers)
+            throughput[key] = {}
+            label = backend + (f"x{replicas}" if replicas > 1 else "")
+            label += f"w{workers}" if workers > 1 else ""
             for rate in rates:
-                with Service(backend, args.postgres_url, role, replicas, extra_env) as service:
+                with Service(backend, args.postgres_url, role, replicas, extra_env, workers) as service:
+                    gen0, server0 = time.process_time(), service.cpu_s()
                     stats = asyncio.run(drive(service.urls, service.token, rate, args.duration, args.seed))
-                throughput[(backend, replicas)][rate] = report(label, rate, stats)
+                    cpu = (time.process_time() - gen0, service.cpu_s() - server0)
+                throughput[key][rate] = report(label, rate, stats, cpu)
             if len(rates) > 1:
-                report_knee(label, throughput[(backend, replicas)])
-        if len(replica_counts) > 1:
-            base = throughput[(backend, replica_counts[0])]
-            for replicas in replica_counts[1:]:
-                for rate in rates:
-                    ratio = throughput[(backend, replicas)][rate] / base[rate] if base[rate] else float("nan")
-                    print(f"{backend:<10} {replicas} replicas / {replica_counts[0]} at {rate:.0f} req/s "
-                          f"offered: throughput ratio {ratio:.2f}")
+                report_knee(label, throughput[key])
+        base_r, base_w = configs[0]
+        base = throughput[(backend, base_r, base_w)]
+        for replicas, workers in configs[1:]:
+            for rate in rates:
+                other = throughput[(backend, replicas, workers)][rate]
+                ratio = other / base[rate] if base[rate] else float("nan")
+                print(f"{backend:<10} {replicas} replicas x {workers} workers / {base_r} x {base_w} at "
+                      f"{rate:.0f} req/s offered: throughput ratio {ratio:.2f}")
 
 
 if __name__ == "__main__":

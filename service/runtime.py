@@ -4,8 +4,10 @@ thread (which reconciles first) -> the HTTP API under uvicorn. `stop()` undoes i
 
 The role picks the parts: `all` (the default) runs everything; `api` runs the HTTP API on the
 store only (no Ray: cluster views come from the nodes table and the leader lease the scheduler
-writes); `scheduler` runs Ray and the scheduler without HTTP. Every scheduler (roles `all` and
-`scheduler`) is elected (service.scheduler.leader): with several, one acts and the others wait hot.
+writes), in `api_workers` processes behind one port when that is more than one (this process
+migrates, then supervises them: uvicorn's multi-process mode); `scheduler` runs Ray and the scheduler
+without HTTP. Every scheduler (roles `all` and `scheduler`) is elected (service.scheduler.leader):
+with several, one acts and the others wait hot.
 
 Job controllers are detached Ray actors: stopping the service leaves the jobs of an external
 cluster running, and the next service re-attaches to them. The embedded cluster belongs to the
@@ -17,7 +19,11 @@ service and stops with it; the next service recovers its jobs from their checkpo
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -37,6 +43,7 @@ log = logging.getLogger(__name__)
 # Ray puts unix sockets under its temp dir (session_<date>_<pid>/sockets/plasma_store, ~62 bytes);
 # a socket path must stay under ~107 bytes, so a deep Lattice home gets a short temp dir instead.
 _MAX_RAY_ROOT = 40
+WORKER_HEALTHCHECK_S = 30  # seconds an API worker may take to answer its supervisor's ping
 
 
 class ServiceStartError(RuntimeError):
@@ -66,6 +73,9 @@ class Runtime:
         self.role: Role = role or (settings.role if with_scheduler else "api")
         self.with_scheduler = self.role != "api"
         self.with_http = self.role != "scheduler"
+        self.workers = settings.api_workers
+        if self.workers > 1 and self.role != "api":
+            raise ValueError(f"api_workers={self.workers} needs role api (role {self.role} runs one process)")
         self.controller_defaults = dict(controller_defaults or {})
         self.engine: Engine | None = None
         self.cluster: Any = None  # workers.cluster.EmbeddedCluster when we started one
@@ -119,7 +129,8 @@ class Runtime:
                 elector.on_change = self.scheduler.wake
                 self.scheduler.start()
             if self.with_http:
-                self.app = create_app(s, engine=self.engine, scheduler=self.scheduler)
+                if self.workers == 1:  # several workers each build their own (worker_app)
+                    self.app = create_app(s, engine=self.engine, scheduler=self.scheduler)
             elif s.scheduler_port is not None:  # probes and metrics only
                 self.app = create_probe_app(s, engine=self.engine)
         except BaseException:
@@ -161,7 +172,11 @@ class Runtime:
 
     def serve_forever(self) -> None:
         """Serve in this (main) thread until SIGINT/SIGTERM; uvicorn handles the signals. Role
-        `scheduler` has no HTTP: it waits for the signal while its threads schedule."""
+        `scheduler` has no HTTP: it waits for the signal while its threads schedule; role `api` with
+        several workers supervises them until the signal."""
+        if self.with_http and self.workers > 1:
+            self._serve_workers()
+            return
         if self.app is None:  # role scheduler without a probe port: no HTTP at all
             import signal
 
@@ -174,8 +189,41 @@ class Runtime:
         self._server = self._server_for(self.settings.host, port or self.settings.port)
         self._server.run()
 
+    def _serve_workers(self) -> None:
+        """uvicorn's multi-process mode: this process binds the port and keeps `workers` spawned
+        processes serving it (a dead one is replaced; SIGINT/SIGTERM stop them all). Counters and
+        histograms go to prometheus_client's multiprocess files, so /metrics on any worker sums them."""
+        import uvicorn
+        from uvicorn.supervisors import Multiprocess
+
+        s = self.settings
+        # Fresh (no stale counters) and on local disk (a counter increment writes to a memory-mapped
+        # file: not on the home, which may be a shared network volume).
+        metrics_dir = tempfile.mkdtemp(prefix="lattice-prometheus-")
+        # prometheus_client reads this at import, in each spawned worker (they inherit the environment).
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        level = s.log_level.lower()
+        config = uvicorn.Config(
+            functools.partial(worker_app, s, metrics_dir), factory=True, host=s.host, port=s.port,
+            workers=self.workers, log_level=level, access_log=level == "debug",
+            # A worker whose pong thread misses the supervisor's ping is killed with its requests in
+            # flight; on a starved host that is overload, not a hang: give it longer than uvicorn's 5 s.
+            timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
+        )
+        sock = listening_socket(s.host, s.port)
+        if self.engine is not None:
+            self.engine.dispose()  # the supervisor is done with the database: hold no connection
+        try:
+            Multiprocess(config, sockets=[sock]).run()
+        finally:
+            sock.close()
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
     def serve_in_thread(self, port: int | None = None, timeout_s: float = 30.0) -> str:
-        """Serve in a background thread (port 0 or None = settings.port); returns the base URL."""
+        """Serve in a background thread (port 0 or None = settings.port); returns the base URL.
+        One process only: several API workers need `serve_forever()`."""
+        if self.workers > 1:
+            raise ServiceStartError("several API workers run as processes: use serve_forever()")
         self._server = self._server_for(self.settings.host, self.settings.port if port is None else port)
         self._http_thread = threading.Thread(target=self._server.run, name="lattice-http", daemon=True)
         self._http_thread.start()
@@ -213,6 +261,34 @@ class Runtime:
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The port the API workers share. uvicorn's own (`Config.bind_socket`) is made without naming
+    the protocol (proto 0), accepted sockets inherit that, and asyncio sets TCP_NODELAY only where
+    proto is IPPROTO_TCP: every response then waited ~40 ms for the client's delayed ACK (Nagle)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ServiceStartError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    sock.set_inheritable(True)  # the spawned workers serve it
+    return sock
+
+
+def worker_app(settings: Settings, metrics_dir: str | None = None) -> FastAPI:
+    """The app of one API worker process (role api, `api_workers` > 1): its own engine, database pool,
+    load-shedding slots and planning pool; the supervising process has already migrated the database.
+    `metrics_dir` (prometheus_client's multiprocess directory) makes /metrics sum all workers."""
+    from service.api.app import create_app
+
+    configure_logging(settings)
+    app = create_app(settings)
+    app.state.metrics_dir = metrics_dir
+    return app
 
 
 def configure_logging(settings: Settings) -> None:

@@ -107,6 +107,12 @@ class Settings(BaseSettings):
         "all", description="What `lattice serve` runs: all (API + scheduler), api (HTTP only, never touches "
         "Ray; several may run), scheduler (no HTTP; several may run, one elected leader acts).",
     )
+    api_workers: int = Field(
+        1, ge=1, le=64, description="Role api: HTTP worker processes behind one port (uvicorn's "
+        "multi-process mode), each with its own database pool, load-shedding slots and planning pool; "
+        "/metrics sums the counters of all. Roles all and scheduler run one (they hold Ray and the "
+        "leader lease).",
+    )
     scheduler_port: int | None = Field(
         None, ge=1, le=65535, description="Role scheduler: serve /healthz, /readyz and /metrics on this port "
         "(unset: no HTTP at all).",

@@ -1,13 +1,20 @@
-"""Typed dependencies of the routes: the session, the settings, the caller, the scheduler seam."""
+"""Typed dependencies of the routes: the session, the settings, the caller, the scheduler seam.
+
+A dependency that does no blocking I/O is `async def`: FastAPI runs it on the event loop instead of
+handing it to a worker thread (each hop is a wait for a thread when the API is busy, a GIL hand-off and
+an event-loop wake-up). Those that touch the database (the sessions, the token lookup) stay sync."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Annotated, Protocol
 
+import anyio
+import anyio.to_thread
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from service.auth import ANONYMOUS_ADMIN, Principal, authenticate_request
 from service.errors import Forbidden, Unauthorized
@@ -24,24 +31,39 @@ class SchedulerHook(Protocol):
         """Stop the running job's ranks; its state is already `cancelled` in the store."""
 
 
-def get_settings_dep(request: Request) -> Settings:
+async def get_settings_dep(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_session(request: Request) -> Iterator[Session]:
+@asynccontextmanager
+async def _session_from(factory: sessionmaker[Session]) -> AsyncIterator[Session]:
+    # Making a session does no I/O (it connects on first use), so it happens on the event loop; closing
+    # one that began a transaction returns its connection to the pool (a rollback: I/O), in a thread.
+    session = factory()
+    try:
+        yield session
+    finally:
+        if session.in_transaction():
+            with anyio.CancelScope(shield=True):  # a client that went away must not leak the connection
+                await anyio.to_thread.run_sync(session.close)
+        else:
+            session.close()
+
+
+async def get_session(request: Request) -> AsyncIterator[Session]:
     """A session for a route that writes: it commits explicitly, anything else rolls back.
     Its transaction begins (and on SQLite takes the write lock) only when the route body uses it."""
-    with request.app.state.session_factory() as session:
+    async with _session_from(request.app.state.session_factory) as session:
         yield session
 
 
-def get_read_session(request: Request) -> Iterator[Session]:
+async def get_read_session(request: Request) -> AsyncIterator[Session]:
     """A session for a route that only reads (never takes SQLite's write lock)."""
-    with request.app.state.read_session_factory() as session:
+    async with _session_from(request.app.state.read_session_factory) as session:
         yield session
 
 
-def get_scheduler(request: Request) -> SchedulerHook | None:
+async def get_scheduler(request: Request) -> SchedulerHook | None:
     return getattr(request.app.state, "scheduler", None)
 
 
@@ -75,7 +97,7 @@ def principal_for_token(request: Request, token: str) -> Principal:
 CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
 
 
-def require_admin(principal: CurrentPrincipal) -> Principal:
+async def require_admin(principal: CurrentPrincipal) -> Principal:
     if not principal.is_admin:
         raise Forbidden("this operation needs an admin token")
     return principal

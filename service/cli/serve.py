@@ -28,6 +28,15 @@ def bootstrap_notice(token: str, path: Path, *, terminal: bool) -> list[str]:
     return [f"Admin token created and saved to {path} (mode 0600); not printed: stdout is not a terminal"]
 
 
+def check_workers(role: str, workers: int, *, from_option: bool) -> None:
+    """Several worker processes only for role api: roles all and scheduler hold the Ray driver and
+    the leader lease, which belong to one process."""
+    if workers > 1 and role != "api":
+        given = f"--workers {workers}" if from_option else f"LATTICE_API_WORKERS={workers}"
+        raise CliError(f"{given} needs --role api (role {role} runs one process: it holds the Ray driver "
+                       "and the scheduler's leader lease); use --workers 1, or run more --role api replicas")
+
+
 def settings_epilog() -> str:
     lines = ["Settings (environment variables):"]
     for env, default, description in describe_settings():
@@ -51,6 +60,15 @@ def serve(
     api_only: Annotated[
         bool, typer.Option("--api-only", help="The same as --role api.", hidden=True),
     ] = False,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            "--workers", min=1, max=64,
+            help="Role api only: HTTP worker processes sharing the port (uvicorn's multi-process mode), "
+            "each with its own database pool and load-shedding slots; /metrics sums the counters of all. "
+            "About one per core. Default LATTICE_API_WORKERS (1).",
+        ),
+    ] = None,
 ) -> None:
     """Run the Lattice service: migrate the database, start (or join) the Ray cluster, run the
     scheduler, serve the API. Ctrl-C stops it; running jobs resume on the next start."""
@@ -61,8 +79,10 @@ def serve(
     role = "api" if api_only else role
     if role is not None and role not in ROLES:
         raise CliError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
-    updates = {k: v for k, v in {"host": host, "port": port, "role": role}.items() if v is not None}
+    updates = {k: v for k, v in {"host": host, "port": port, "role": role, "api_workers": workers}.items()
+               if v is not None}
     settings = settings.model_copy(update=updates)
+    check_workers(settings.role, settings.api_workers, from_option=workers is not None)
     configure_logging(settings)
     os.umask(PRIVATE_UMASK)  # everything the service (and its embedded Ray) creates is private
     runtime = Runtime(settings)
@@ -77,7 +97,8 @@ def serve(
                 out.print(line, soft_wrap=True)
         if runtime.with_http:
             write_private(settings.server_file, runtime.client_url() + "\n")
-            out.print(f"Lattice ({runtime.role}) listening on http://{settings.host}:{settings.port}")
+            procs = f" ({settings.api_workers} worker processes)" if runtime.workers > 1 else ""
+            out.print(f"Lattice ({runtime.role}) listening on http://{settings.host}:{settings.port}{procs}")
         else:
             probes = (f"/healthz and /metrics on port {settings.scheduler_port}" if settings.scheduler_port
                       else "no HTTP")

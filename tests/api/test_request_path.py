@@ -74,3 +74,29 @@ def test_a_submit_takes_the_write_lock_once(client: TestClient, db_engine: Engin
         again = client.post("/v1/jobs", json=SPEC, headers=auth | {"Idempotency-Key": "k-1"})
     assert again.status_code == 200 and again.json()["id"] == r.json()["id"]  # the replay
     assert seen["BEGIN IMMEDIATE"] == 0 and seen["INSERT"] == 0, seen  # a replay only reads
+
+
+def test_a_request_waits_for_a_worker_thread_only_where_it_does_blocking_io(
+    client: TestClient, tokens: dict[str, str], monkeypatch: Any
+) -> None:
+    """Dependencies without I/O (settings, scheduler, admin check, making a session) run on the event
+    loop: a submit hops to a thread for the token lookup, the route and FastAPI's validation of its
+    result; a get also for closing its read transaction (each hop waits for a thread when busy)."""
+    import anyio.to_thread
+
+    hops: list[str] = []
+    run_sync = anyio.to_thread.run_sync
+
+    async def counting(func: Any, *args: Any, **kwargs: Any) -> Any:
+        hops.append(getattr(func, "__qualname__", repr(func)))
+        return await run_sync(func, *args, **kwargs)
+
+    auth = bearer(tokens["a"])
+    job = client.post("/v1/jobs", json=SPEC, headers=auth).json()
+    client.get(f"/v1/jobs/{job['id']}", headers=auth)  # warm: the token's use is recorded once a minute
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
+    assert client.post("/v1/jobs", json=SPEC, headers=auth).status_code == 201
+    submit_hops, hops[:] = list(hops), []
+    assert client.get(f"/v1/jobs/{job['id']}", headers=auth).status_code == 200
+    assert 1 <= len(submit_hops) <= 3, submit_hops  # at least the route itself: the count is live
+    assert 1 <= len(hops) <= 4, hops

@@ -16,6 +16,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from service import metrics, store
 from service.api.deps import SettingsDep, principal_for_token
 from service.api.problems import problem_responses
+from service.api.worker_metrics import WorkerAggregateCollector
 from service.errors import Forbidden, ServiceUnavailable, Unauthorized
 from service.schemas import Health, Readiness
 from service.store import migrate
@@ -99,7 +100,9 @@ def require_metrics_access(
 )
 def prometheus_metrics(request: Request) -> Response:
     _refresh_job_gauges(request)
-    return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+    metrics_dir = getattr(request.app.state, "metrics_dir", None)  # set in each of several API workers
+    source = WorkerAggregateCollector(metrics_dir, metrics.REGISTRY) if metrics_dir else metrics.REGISTRY
+    return Response(generate_latest(source), media_type=CONTENT_TYPE_LATEST)
 
 
 def _refresh_job_gauges(request: Request) -> None:

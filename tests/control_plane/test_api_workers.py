@@ -1,0 +1,191 @@
+"""`lattice serve --role api --workers N`: several worker processes behind one port. Other roles refuse
+the option; a real two-worker server answers, its /metrics sums the counters of both workers, a worker
+that dies is replaced without the counters going backwards, and SIGTERM stops them all."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from service.cli import app as cli
+from service.runtime import Runtime, ServiceStartError, listening_socket
+from service.settings import Settings
+from tests.api.specs import tiny
+from training.parallel.dist import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+GET_COUNTER = re.compile(
+    r'^lattice_http_requests_total\{method="GET",route="/v1/jobs/\{job_id\}",status="200"\} ([0-9.]+)$',
+    re.MULTILINE,
+)
+
+
+@pytest.mark.parametrize("role", ["all", "scheduler"])
+def test_workers_is_refused_for_a_role_that_holds_ray(
+    role: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LATTICE_HOME", str(tmp_path))
+    result = CliRunner().invoke(cli, ["serve", "--role", role, "--workers", "2"])
+    assert result.exit_code == 1
+    line = " ".join(result.output.split())
+    assert f"--workers 2 needs --role api (role {role} runs one process" in line
+    assert not (tmp_path / "lattice.db").exists()  # refused before anything started
+
+
+def test_the_setting_is_refused_for_the_default_role_and_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LATTICE_HOME", str(tmp_path))
+    monkeypatch.setenv("LATTICE_API_WORKERS", "3")
+    result = CliRunner().invoke(cli, ["serve"])
+    assert result.exit_code == 1
+    assert "LATTICE_API_WORKERS=3 needs --role api" in " ".join(result.output.split())
+
+
+def test_workers_below_one_is_a_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LATTICE_HOME", str(tmp_path))
+    result = CliRunner().invoke(cli, ["serve", "--role", "api", "--workers", "0"])
+    assert result.exit_code == 2
+    assert "--workers" in result.output
+
+
+def test_the_runtime_refuses_several_workers_outside_role_api(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs role api"):
+        Runtime(Settings(home=tmp_path, api_workers=2), role="all")
+    assert Runtime(Settings(home=tmp_path, api_workers=2), role="api").workers == 2
+
+
+def test_the_shared_port_gives_every_connection_tcp_nodelay() -> None:
+    """asyncio sets TCP_NODELAY only on sockets whose protocol is IPPROTO_TCP, and an accepted socket
+    takes the listener's: without it each response waits for the client's delayed ACK."""
+    listener = listening_socket("127.0.0.1", 0)
+    assert listener.proto == socket.IPPROTO_TCP
+
+    async def accepted_nodelay() -> int:
+        accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                sock = transport.get_extra_info("socket")
+                accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listener)
+        _, writer = await asyncio.open_connection(*listener.getsockname())
+        try:
+            return await asyncio.wait_for(accepted, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0
+
+
+def test_a_port_in_use_is_a_start_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ServiceStartError, match="cannot listen on 127.0.0.1"):
+            listening_socket("127.0.0.1", taken.getsockname()[1])
+
+
+def _children(pid: int) -> set[int]:
+    """Live worker processes of `pid` (spawned by multiprocessing; not its resource tracker), from /proc."""
+    kids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, ...
+        if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in command:
+            kids.add(int(entry.name))
+    return kids
+
+
+def _wait_for(check: object, what: str, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def two_workers(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LATTICE_")}
+    env |= {"LATTICE_HOME": str(tmp_path), "LATTICE_LOG_LEVEL": "warning", "TMPDIR": str(tmp_path)}
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--role", "api", "--workers", "2",
+                             "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+        try:
+            return httpx.get(f"{url}/readyz", timeout=2).status_code == 200 and len(_children(proc.pid)) == 2
+        except httpx.TransportError:
+            return False
+
+    try:
+        _wait_for(ready, "two API workers")
+        yield proc, url, tmp_path
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def _gets_counted(url: str) -> float:
+    found = GET_COUNTER.search(httpx.get(f"{url}/metrics", timeout=10).text)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_two_worker_api_serves_sums_its_metrics_and_replaces_a_dead_worker(
+    two_workers: tuple[subprocess.Popen[bytes], str, Path],
+) -> None:
+    proc, url, home = two_workers
+    headers = {"Authorization": f"Bearer {(home / 'token').read_text().strip()}"}
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
+        submitted = c.post("/v1/jobs", json=tiny())
+        assert submitted.status_code == 201, submitted.text
+        job_id = submitted.json()["id"]
+    gets = 0
+    for _ in range(6):  # a new connection each time: the kernel spreads them over the workers
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
+            assert c.get(f"/v1/jobs/{job_id}").json()["id"] == job_id
+            gets += 1
+    assert _gets_counted(url) == gets  # every worker's requests, whichever worker answered the scrape
+    metrics_dirs = list(home.glob("lattice-prometheus-*"))  # TMPDIR is the home here
+    assert len(metrics_dirs) == 1 and any(metrics_dirs[0].iterdir())
+
+    victim = min(_children(proc.pid))
+    os.kill(victim, signal.SIGKILL)
+    _wait_for(lambda: victim not in _children(proc.pid) and len(_children(proc.pid)) == 2, "a replacement")
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
+        assert c.get(f"/v1/jobs/{job_id}").status_code == 200
+    assert _gets_counted(url) == gets + 1  # the dead worker's counts are kept: no counter reset
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert not list(home.glob("lattice-prometheus-*"))  # the next start begins from zero
