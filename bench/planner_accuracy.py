@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,6 +166,12 @@ def machine_rows() -> None:
     profile = HardwareProfile.from_dict(doc)
     load = os.getloadavg()[0]
     print(f"# calibrated this machine in {doc['meta']['seconds']} s ({doc['meta']}); load average {load:.1f}")
+    def pts(points: Sequence[tuple[float, float]]) -> str:
+        return ", ".join(f"{b / 1024:.0f} KiB {t * 1e3:.2f} ms" for b, t in points)
+
+    print(f"# engine costs (calibration/engine.py): ranks computing at once x{profile.concurrency:.2f}; "
+          f"per TP linear {pts(profile.tp_linear)}; per ZeRO-3 unit {pts(profile.fsdp_unit)}; "
+          f"per DDP step {pts(profile.ddp_step)}")
     print(f"{'demo layout':32s} {'pred ms':>8s} {'catalog ms':>10s} {'measured ms':>11s} {'ratio':>6s}")
     model = get_preset("demo")
     within = 0

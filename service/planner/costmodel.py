@@ -245,6 +245,15 @@ class Stage:
                 if p is not None:
                     bytes_per_mb[z] += p[0]
                     per_mb[z] += p[1]
+        units = self.layers + 1  # a unit per block plus the root (embedding, head; training/parallel/fsdp.py)
+        unit = env.eff.fsdp_unit_time(bpp[0] * big / units, fam.dp_tier.bw) if fam.d > 1 else None
+        if unit is not None and fam.dp_tier is env.node_tier and expert <= 0:
+            # Measured on this node type as FSDP2 issues it (training/calibration/engine.py): per unit of
+            # the mean unit's size, its all-gathers and reduce-scatter with their copies and hooks.
+            per_mb[3] = units * unit
+        ddp = env.eff.ddp_step_time(bpp[1] * big, fam.dp_tier.bw) if fam.d > 1 else None
+        if ddp is not None and fam.dp_tier is env.node_tier and expert <= 0:
+            once[0] = ddp  # measured as the engine's bucketed DDP issues it (training/calibration/engine.py)
         self.dp_once, self.dp_per_mb = once, per_mb
         self.dp_bytes_once, self.dp_bytes_per_mb = bytes_once, bytes_per_mb
         # The optimizer step is memory-bound elementwise work on the (sharded) fp32 state.
@@ -257,8 +266,8 @@ class Micro:
 
     # fmt: off
     __slots__ = ("mbs", "sp", "recompute", "act_layer", "act_work", "act_emb", "logits", "t_compute",
-        "t_compute_plain", "t_head", "t_tp", "t_cp", "t_ep", "t_layer", "t_p2p", "tp_bytes", "cp_bytes",
-        "ep_bytes", "p2p_bytes")
+        "t_compute_plain", "t_head", "t_tp", "t_tp_edge", "t_cp", "t_ep", "t_layer", "t_p2p", "tp_bytes",
+        "cp_bytes", "ep_bytes", "p2p_bytes")
     # fmt: on
 
     def __init__(self, fam: Family, mbs: int, sp: bool, recompute: str) -> None:
@@ -294,6 +303,17 @@ class Micro:
         self.t_tp = (
             self.tp_bytes / fam.tp_tier.bw + passes * 4 * hops(tp) * fam.tp_tier.latency if tp > 1 else 0.0
         )
+        self.t_tp_edge = 0.0  # per micro-batch: the embedding's and the LM head's TP collectives
+        message = tokens * h * env.bytes_per_param[0]  # one (tokens, h) activation or its gradient
+        issued = env.eff.tp_linear_time(message, fam.tp_tier.bw) if tp > 1 else None
+        if issued is not None and fam.tp_tier is env.node_tier and not m.is_moe:
+            # Measured on this node type as the engine issues it (training/calibration/engine.py): each
+            # sharded linear (q, k, v, o, MLP up / gate / down; training/parallel/tensor.py) costs its
+            # DTensor dispatch and one all-reduce of the (tokens, h) activation; full recomputation
+            # repeats the forward half. The row-parallel embedding and column-parallel head add two.
+            linears = 4 + (3 if m.activation == "swiglu" else 2)
+            self.t_tp = passes / 2 * linears * issued
+            self.t_tp_edge = 2 * issued
         # CP ring: (4cp-2) bf16 K/V blocks per layer (formulas.cp_ring_bytes_per_layer), one latency per
         # ring step (cp-1 forward, cp backward), overlapped with the attention blocks computed meanwhile.
         if ring:
@@ -343,7 +363,7 @@ class Combo:
 
 def combine(stage: Stage, micro: Micro, schedule: str, m: int) -> Combo:
     pp, v = stage.fam.pp, stage.v
-    t_mb = stage.layers * micro.t_layer + micro.t_head + v * micro.t_p2p
+    t_mb = stage.layers * micro.t_layer + micro.t_head + micro.t_tp_edge + v * micro.t_p2p
     compute_mb = stage.layers * micro.t_compute + micro.t_head
     bubble = bubble_fraction(schedule, pp, m, v)
     core = m * t_mb * (1.0 + bubble)

@@ -78,6 +78,15 @@ class HardwareProfile:
     )  # kind -> [(bytes, s)]
     ranks: int = 2  # ranks of the collective measurement (intra-node)
     backend: str = ""
+    # The engine's own parallel code as it issues collectives (training/calibration/engine.py; CPU/gloo):
+    # seconds per tensor-parallel linear (forward + backward, with its one all-reduce) by activation bytes,
+    # per ZeRO-3 FSDP2 unit (all-gather x2 + reduce-scatter with copies and hooks) by parameter bytes,
+    # per step of the bucketed DDP (hooks, all-reduces, final wait) by gradient bytes,
+    # and the slowdown of compute when every rank of the host computes at once.
+    tp_linear: Sequence[tuple[float, float]] = ()
+    fsdp_unit: Sequence[tuple[float, float]] = ()
+    ddp_step: Sequence[tuple[float, float]] = ()
+    concurrency: float = 1.0
     meta: Mapping[str, Any] = field(default_factory=dict)  # device name, threads, seconds taken
 
     @property
@@ -97,6 +106,10 @@ class HardwareProfile:
             "collectives": {k: [list(p) for p in pts] for k, pts in self.collectives.items()},
             "ranks": self.ranks,
             "backend": self.backend,
+            "tp_linear": [list(p) for p in self.tp_linear],
+            "fsdp_unit": [list(p) for p in self.fsdp_unit],
+            "ddp_step": [list(p) for p in self.ddp_step],
+            "concurrency": self.concurrency,
             "meta": dict(self.meta),
         }
 
@@ -111,6 +124,8 @@ class HardwareProfile:
                 str(k): [(float(b), float(t)) for b, t in pts]
                 for k, pts in doc.get("collectives", {}).items()
             }
+            engine = {k: [(float(b), float(t)) for b, t in doc.get(k) or []]
+                      for k in ("tp_linear", "fsdp_unit", "ddp_step")}  # fmt: skip
             dtype = str(doc.get("compute_dtype") or next(iter(matmul), "fp32"))
             if dtype not in matmul:
                 raise ValueError(f"compute_dtype {dtype!r} has no matmul measurements")
@@ -119,7 +134,8 @@ class HardwareProfile:
                 matmul=matmul, attention=attention, memory_bw=float(doc.get("memory_bw", 0.0)),
                 op_overhead_s=float(doc.get("op_overhead_s", 0.0)),
                 collectives=coll, ranks=int(doc.get("ranks", 2)), backend=str(doc.get("backend", "")),
-                meta=dict(doc.get("meta", {})),
+                tp_linear=engine["tp_linear"], fsdp_unit=engine["fsdp_unit"], ddp_step=engine["ddp_step"],
+                concurrency=max(1.0, float(doc.get("concurrency", 1.0))), meta=dict(doc.get("meta", {})),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"profile: malformed hardware profile ({e})") from e
@@ -173,6 +189,23 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]
     return alpha, 1.0 / slope
 
 
+class _SizeCurve:
+    """A measured cost by message size: monotone interpolation in log size between the measured points,
+    flat below the smallest; beyond the largest, the extra bytes at the link's bandwidth (Hockney 1994)."""
+
+    def __init__(self, points: Sequence[tuple[float, float]]) -> None:
+        self.curve = MonotoneCurve(points)
+        self.top = max(b for b, t in points if b > 0 and t > 0)
+
+    @classmethod
+    def of(cls, points: Sequence[tuple[float, float]]) -> _SizeCurve | None:
+        return cls(points) if any(b > 0 and t > 0 for b, t in points) else None
+
+    def __call__(self, nbytes: float, link_bw: float) -> float:
+        extra = max(0.0, nbytes - self.top) / link_bw if link_bw > 0 else 0.0
+        return self.curve(nbytes) + extra
+
+
 class Efficiency:
     """Time of matmuls, attention and elementwise work on one GPU type (measured or catalogued)."""
 
@@ -185,6 +218,11 @@ class Efficiency:
         threads = int(profile.meta.get("threads", 1)) if profile is not None else 1
         cores = int(profile.meta.get("cores", 0) or 0) if profile is not None else 0
         self.share = max(1.0, ranks_per_host * threads / cores) if on_cpu and cores > 0 else 1.0
+        if on_cpu and ranks_per_host >= 2 and profile is not None:  # measured: all ranks computing at once
+            self.share = max(self.share, profile.concurrency)
+        self._tp_linear = _SizeCurve.of(profile.tp_linear) if profile is not None else None
+        self._fsdp_unit = _SizeCurve.of(profile.fsdp_unit) if profile is not None else None
+        self._ddp_step = _SizeCurve.of(profile.ddp_step) if profile is not None else None
         self.op_overhead = profile.op_overhead_s if profile is not None else 0.0
         self.peak = gpu.peak_flops
         self.hbm_bw = profile.memory_bw if profile is not None and profile.memory_bw > 0 else gpu.hbm_bw
@@ -217,7 +255,7 @@ class Efficiency:
         ops run synchronously); on a GPU launches are asynchronous and only the part of the host's
         dispatch time longer than the kernels shows. Catalogued GPUs: 0 (their F_half covers it)."""
         fixed = ops * self.op_overhead
-        return fixed if self.synchronous else max(0.0, fixed - busy_s)
+        return fixed * self.share if self.synchronous else max(0.0, fixed - busy_s)
 
     def matmul_rate(self, m: int, n: int, k: int) -> float:
         """Achieved FLOP/s of one (m, k) x (k, n) matmul."""
@@ -257,6 +295,21 @@ class Efficiency:
             * (ELEMENTWISE_PASSES_HIDDEN * hidden_local + ELEMENTWISE_PASSES_FFN * ffn_local)
         )
         return nbytes / self.hbm_bw
+
+    def tp_linear_time(self, nbytes: float, link_bw: float) -> float | None:
+        """Seconds one tensor-parallel linear adds, forward + backward, beyond its matmuls (DTensor dispatch
+        and its all-reduce of `nbytes`), as measured on this node type; None when not measured."""
+        return self._tp_linear(nbytes, link_bw) if self._tp_linear is not None else None
+
+    def fsdp_unit_time(self, nbytes: float, link_bw: float) -> float | None:
+        """Seconds one ZeRO-3 FSDP2 unit of `nbytes` parameters adds per micro-batch (gathers, reduce-
+        scatter, copies, hooks), as measured on this node type; None when not measured."""
+        return self._fsdp_unit(nbytes, link_bw) if self._fsdp_unit is not None else None
+
+    def ddp_step_time(self, nbytes: float, link_bw: float) -> float | None:
+        """Seconds the engine's bucketed DDP adds to a step reducing `nbytes` of gradients, as measured on
+        this node type; None when not measured."""
+        return self._ddp_step(nbytes, link_bw) if self._ddp_step is not None else None
 
     def link(self, default_bw: float, default_latency: float) -> tuple[float, float]:
         """(bandwidth, latency per hop) of the intra-node tier: measured all-reduce (bus bandwidth of a

@@ -76,7 +76,7 @@ def build_detail(stage: Stage, micro: Micro, combo: Combo, z: int, layout: Layou
     time_s = {
         "compute": m * (layers * micro.t_compute_plain + micro.t_head),
         "recompute": m * layers * recompute_t,
-        "tp": m * layers * micro.t_tp,
+        "tp": m * (layers * micro.t_tp + micro.t_tp_edge),
         "cp": m * layers * micro.t_cp,
         "ep": m * layers * micro.t_ep,
         "pp_p2p": m * stage.v * micro.t_p2p,

@@ -40,6 +40,10 @@ def test_calibrate_measures_and_stores_a_profile(tmp_path: Path) -> None:
     }
     assert all(t > 0 for pts in doc["collectives"].values() for _, t in pts)
     assert doc["memory_bw"] > 0 and doc["attention"]
+    # The engine's own costs on the 2 gloo ranks (training/calibration/engine.py), one size each.
+    assert doc["concurrency"] >= 1.0
+    assert len(doc["tp_linear"]) == len(doc["fsdp_unit"]) == len(doc["ddp_step"]) == 1
+    assert all(b > 0 and t >= 0 for b, t in doc["tp_linear"] + doc["fsdp_unit"] + doc["ddp_step"])
     engine = make_engine(f"sqlite:///{tmp_path / 'l.db'}")
     with make_session_factory(engine)() as s:
         stored = newest_profile(s, "cpu-virtual")

@@ -37,12 +37,14 @@ class Grid:
     copy_bytes: int = 64 << 20
     repeats: int = 3
     collectives: bool = True
+    engine_points: int = 2  # with the collectives on CPU: sizes of the engine's TP / FSDP2 costs (engine.py)
 
     @classmethod
     def quick(cls) -> Grid:
         """A reduced grid for tests (a second or two without collectives)."""
         return cls(matmul_sizes=(32, 64, 128), attention_seqs=(64, 128), head_dims=(32,),
-                   message_bytes=(4 << 10, 64 << 10), copy_bytes=4 << 20, repeats=2)  # fmt: skip
+                   message_bytes=(4 << 10, 64 << 10), copy_bytes=4 << 20, repeats=2,
+                   engine_points=1)  # fmt: skip
 
 
 def _best_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
@@ -146,10 +148,15 @@ def _collective_rank(rank: int, world: int, grid: Grid) -> dict[str, Any]:
         for name, op in ops.items():
             dist.barrier()
             out[name].append([float(nbytes), _best_time(op, device, grid.repeats)])
-    return {"backend": backend, "collectives": out}
+    result: dict[str, Any] = {"backend": backend, "collectives": out}
+    if grid.engine_points > 0 and backend == "gloo":
+        from training.calibration.engine import engine_rank
+
+        result["engine"] = engine_rank(rank, world, grid.repeats, grid.engine_points)
+    return result
 
 
-def measure_collectives(grid: Grid, world: int = 2, timeout_s: float = 60.0) -> dict[str, Any]:
+def measure_collectives(grid: Grid, world: int = 2, timeout_s: float = 120.0) -> dict[str, Any]:
     """{backend, collectives: kind -> [(bytes, seconds)]} between `world` ranks spawned on this node."""
     try:
         return run_local_ranks(world, _collective_rank, (grid,), threads=1, timeout_s=timeout_s,
@@ -186,6 +193,8 @@ def calibrate(node_type: str, grid: Grid | None = None) -> dict[str, Any]:
     threads_before = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(rank_threads())
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    host_slowdown = 1.0
     try:
         matmul = measure_matmul(grid, device)
         compute_dtype = "bf16" if "bf16" in matmul else "fp32"
@@ -197,14 +206,23 @@ def calibrate(node_type: str, grid: Grid | None = None) -> dict[str, Any]:
             "backend": "",
         }  # fmt: skip
         threads = torch.get_num_threads()
+        # The timings above are medians of short calls that mostly fit between other processes' time
+        # slices; a training step lasts many slices and gets the CPU share the host leaves it: wall
+        # seconds per CPU second of this (one-thread) process over the whole compute measurement.
+        # Recorded, not planned with: a profile describes the node type, not the moment it was measured.
+        busy = time.process_time() - cpu0
+        if device.type == "cpu" and threads == 1 and busy > 0:
+            host_slowdown = round(max(1.0, (time.perf_counter() - wall0) / busy), 3)
     finally:
         torch.set_num_threads(threads_before)
     # Two local ranks need two devices on a GPU node (NCCL); with one GPU the catalogue's links stay.
     if grid.collectives and (device.type == "cpu" or torch.cuda.device_count() >= 2):
         coll = measure_collectives(grid)
         doc["collectives"], doc["backend"] = coll["collectives"], coll["backend"]
+        doc.update(coll.get("engine", {}))  # tp_linear, fsdp_unit, ddp_step, concurrency (engine.py)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     doc["meta"] = {"device": device_name, "threads": threads, "cores": os.cpu_count() or 1,
-                   "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 3)}  # fmt: skip
+                   "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 3),
+                   "host_slowdown": host_slowdown}  # fmt: skip
     log.info("calibrated %s on %s in %.1f s", node_type, device_name, doc["meta"]["seconds"])
     return doc

@@ -1,0 +1,95 @@
+"""The engine's own parallel costs in a measured profile (training/calibration/engine.py): per TP linear,
+per ZeRO-3 unit, ranks computing at once; and how the cost model charges them (service/planner)."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.planner import ClusterSpec, Layout, TrainSpec, evaluate, get_preset
+from service.planner.efficiency import Efficiency, HardwareProfile
+from service.planner.hardware import get_gpu
+
+DEMO = get_preset("demo")  # 4 layers, hidden 128, SwiGLU: 7 sharded linears per block
+TRAIN = TrainSpec(8, DEMO.seq_len, precision="fp32")
+
+
+def _profile(tp_linear: float = 0.0, fsdp_unit: float = 0.0, concurrency: float = 1.0,
+             ddp_step: float = 0.0) -> HardwareProfile:
+    """A CPU profile; engine costs flat over sizes that bracket the demo's messages and units."""
+    matmul = [(s, s, s, r) for s, r in ((32, 2e9), (64, 6e9), (128, 12e9), (256, 15e9), (512, 16e9))]
+    coll = {"all_reduce": [(4096.0, 1e-4 + 4096 / 1e9), (1 << 20, 1e-4 + (1 << 20) / 1e9)]}
+    return HardwareProfile(
+        node_type="cpu-virtual", version=1, compute_dtype="fp32", matmul={"fp32": matmul},
+        attention=[(128, 16, 3e9), (512, 16, 8e9)], memory_bw=10e9, collectives=coll, backend="gloo",
+        tp_linear=[(1e4, tp_linear), (1e7, tp_linear)] if tp_linear else [],
+        fsdp_unit=[(1e4, fsdp_unit), (1e7, fsdp_unit)] if fsdp_unit else [],
+        ddp_step=[(1e4, ddp_step), (1e8, ddp_step)] if ddp_step else [],
+        concurrency=concurrency, meta={"device": "cpu", "threads": 1, "cores": 2},
+    )  # fmt: skip
+
+
+def _eval(layout: Layout, profile: HardwareProfile | None) -> dict[str, float]:
+    cluster = ClusterSpec("cpu-virtual", layout.world_size, profile=profile)
+    p = evaluate(DEMO, TRAIN, cluster, layout)
+    assert sum(p.time_breakdown_s.values()) == pytest.approx(p.step_time_s, rel=1e-9)
+    return p.time_breakdown_s
+
+
+def test_engine_costs_round_trip_and_old_profiles_read_without_them() -> None:
+    p = _profile(tp_linear=2e-3, fsdp_unit=5e-3, concurrency=1.3, ddp_step=9e-3)
+    again = HardwareProfile.from_dict(p.to_dict())
+    assert again == p and again.to_dict() == p.to_dict()
+    new_fields = ("tp_linear", "fsdp_unit", "ddp_step", "concurrency")
+    old = {k: v for k, v in p.to_dict().items() if k not in new_fields}
+    assert HardwareProfile.from_dict(old) == _profile()  # none measured: no engine terms, concurrency 1
+
+
+def test_tp_time_counts_the_engines_sharded_linears_at_the_measured_cost() -> None:
+    lay = Layout(tp=2, micro_batch_size=4, num_microbatches=2)
+    per_linear = 2e-3
+    terms = _eval(lay, _profile(tp_linear=per_linear))
+    # Each micro-batch: 7 sharded linears per block x 4 blocks, plus the embedding and the head.
+    assert terms["tp"] == pytest.approx(2 * (7 * 4 + 2) * per_linear)
+    # Without the measurement the alpha-beta model of the bare all-reduce stays (much cheaper here).
+    assert _eval(lay, _profile())["tp"] < terms["tp"] / 5
+
+
+def test_zero3_time_charges_each_fsdp_unit_every_micro_batch() -> None:
+    per_unit = 4e-3
+    lay = Layout(dp=2, zero_stage=3, micro_batch_size=2, num_microbatches=2)
+    terms = _eval(lay, _profile(fsdp_unit=per_unit))
+    # 4 blocks + the root, every micro-batch; on CPU nothing overlaps (gloo computes on the same cores).
+    assert terms["dp_exposed"] == pytest.approx(2 * 5 * per_unit)
+    zero0 = Layout(dp=2, micro_batch_size=2, num_microbatches=2)
+    assert _eval(zero0, _profile(fsdp_unit=per_unit))["dp_exposed"] == _eval(zero0, _profile())["dp_exposed"]
+
+
+def test_ddp_time_is_the_measured_step_cost_once_per_step() -> None:
+    lay = Layout(dp=2, micro_batch_size=2, num_microbatches=2)
+    assert _eval(lay, _profile(ddp_step=7e-3))["dp_exposed"] == pytest.approx(7e-3)  # not per micro-batch
+    zero3 = Layout(dp=2, zero_stage=3, micro_batch_size=2, num_microbatches=2)
+    assert _eval(zero3, _profile(ddp_step=7e-3))["dp_exposed"] == _eval(zero3, _profile())["dp_exposed"]
+
+
+def test_ranks_computing_at_once_slow_compute_by_the_measured_factor() -> None:
+    gpu = get_gpu("cpu-virtual")
+    slow, quiet = _profile(concurrency=1.5), _profile()
+    two = Efficiency(gpu, slow, ranks_per_host=2).matmul_time(128, 128, 128)
+    assert two == pytest.approx(1.5 * Efficiency(gpu, quiet, ranks_per_host=2).matmul_time(128, 128, 128))
+    # One rank alone computes at the solo rate; more ranks than cores keep the cores' share.
+    assert Efficiency(gpu, slow, ranks_per_host=1).matmul_time(128, 128, 128) == pytest.approx(two / 1.5)
+    assert Efficiency(gpu, slow, ranks_per_host=8).share == pytest.approx(4.0)
+
+
+def test_measured_engine_cost_is_monotone_in_size_and_grows_with_the_link_beyond_it() -> None:
+    gpu = get_gpu("cpu-virtual")
+    p = HardwareProfile(**{**_profile().__dict__, "tp_linear": [(1e5, 2e-3), (1e6, 1.5e-3), (4e6, 4e-3)]})
+    eff = Efficiency(gpu, p)
+    sizes = [1e3, 1e5, 3e5, 1e6, 2e6, 4e6]
+    costs = [eff.tp_linear_time(b, link_bw=1e9) for b in sizes]
+    assert all(c is not None for c in costs)
+    assert costs == sorted(costs)  # a bigger message never costs less (noise between points averaged)
+    assert eff.tp_linear_time(5e6, link_bw=1e9) == pytest.approx(costs[-1] + 1e6 / 1e9)
+    assert Efficiency(gpu, _profile()).tp_linear_time(1e5, 1e9) is None
+    assert Efficiency(gpu, None).fsdp_unit_time(1e5, 1e9) is None
+
