@@ -96,8 +96,10 @@ def _bench(rank: int, world: int, args: dict) -> dict[str, Any]:
     cfg = RunConfig(model=spec, layout=Layout(dp=world), steps=args["steps"], seed=1,
                     integrity=IntegrityConfig(abft=args["abft"]))
     names = [(n, p.numel()) for n, p in Transformer(spec).named_parameters()]
-    out = {"outcomes": _flips(ctx, cfg, names, args)}
-    out.update(_false_positives(ctx, replace(cfg, steps=args["clean_steps"])))
+    out: dict[str, Any] = {"outcomes": [], "false_positives": None}
+    if not args["overhead_only"]:
+        out["outcomes"] = _flips(ctx, cfg, names, args)
+        out.update(_false_positives(ctx, replace(cfg, steps=args["clean_steps"])))
     out.update(_overhead(ctx, world, args))
     return out
 
@@ -139,13 +141,27 @@ def _flips(ctx: Any, cfg: RunConfig, names: list[tuple[str, int]], args: dict) -
 
 
 def _false_positives(ctx: Any, cfg: RunConfig) -> dict[str, Any]:
+    from training.integrity.abft import GradABFT
     from training.train import train
 
     hooks = _hooks(ctx.rank, [], False)
+    worst: list[float] = []  # ABFT: each clean step's largest |difference| / tolerance (<= 1 passes)
+    verify = GradABFT.verify
+
+    def recording(self: GradABFT, step: int, rank: int) -> Any:
+        error = verify(self, step, rank)
+        worst.append(self.worst)
+        return error
+
+    GradABFT.verify = recording  # type: ignore[method-assign]
     t0 = time.perf_counter()
-    train(ctx, cfg, hooks, resume=False)
+    try:
+        train(ctx, cfg, hooks, resume=False)
+    finally:
+        GradABFT.verify = verify  # type: ignore[method-assign]
     seconds = time.perf_counter() - t0
-    return {"false_positives": hooks.errors, "clean_steps": cfg.steps, "clean_seconds": seconds}
+    return {"false_positives": hooks.errors, "clean_steps": cfg.steps, "clean_seconds": seconds,
+            "abft_worst": max(worst) if worst else None}
 
 
 def _overhead(ctx: Any, world: int, args: dict) -> dict[str, Any]:
@@ -155,7 +171,7 @@ def _overhead(ctx: Any, world: int, args: dict) -> dict[str, Any]:
     from training.model.transformer import Transformer
     from training.train import Trainer, TrainHooks, train
 
-    big = ModelSpec(layers=args["layers"], hidden=args["hidden"], heads=8, vocab=512, seq_len=128)
+    big = ModelSpec(layers=args["layers"], hidden=args["hidden"], heads=8, vocab=512, seq_len=args["seq"])
     big_cfg = RunConfig(model=big, layout=Layout(dp=world, micro_batch_size=args["batch"]),
                         steps=args["overhead_steps"], seed=2, integrity=IntegrityConfig(abft=args["abft"]))
     no_checks = IntegrityConfig(fingerprint_every=0, loss_spike_factor=1e30, check_finite=False)
@@ -182,14 +198,15 @@ def _overhead(ctx: Any, world: int, args: dict) -> dict[str, Any]:
             timer.wrap(Trainer, "check_local_grads", "local norm (+ ABFT compare)")
             timer.wrap(GradientAudit, "record", "bucket checksums")
             timer.wrap(GradientAudit, "verify", "checksum + peer outliers")
-            timer.wrap(GradABFT, "_accumulate", "ABFT checksums")
+            timer.wrap(GradABFT, "_on_forward", "ABFT input norms (forward)")
+            timer.wrap(GradABFT, "_accumulate", "ABFT checksums (backward)")
         try:
             run_cfg = big_cfg if label == "on" else replace(big_cfg, integrity=no_checks)
             train(ctx, run_cfg, hooks, resume=False)
         finally:
             timer.restore()
         timings.setdefault(label, []).extend(hooks.times[2:])  # drop warm-up steps
-    per_step = {k: v / (2 * big_cfg.steps) for k, v in timer.seconds.items()}
+    per_step = {k: v / (2 * big_cfg.steps) for k, v in timer.seconds.items()}  # every step, warm-up too
     return {"step_off": statistics.median(timings["off"]), "step_on": statistics.median(timings["on"]),
             "overhead_params": sum(p.numel() for p in Transformer(big).parameters()),
             "check_per_step": per_step}
@@ -264,23 +281,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4, help="micro-batch per replica in the overhead run")
+    parser.add_argument("--seq", type=int, default=128, help="sequence length in the overhead run")
+    parser.add_argument("--overhead-only", action="store_true", help="only the overhead (e.g. a larger "
+                        "shape: --hidden 1024 --layers 1 --seq 256)")
     parser.add_argument("--seed", type=int, default=0)
     a = parser.parse_args(argv)
     flips = a.flips if a.flips is not None else (100 if a.full else 60)
     clean = a.clean_steps if a.clean_steps is not None else (1000 if a.full else 200)
     args = {"flips": flips, "clean_steps": clean, **{k: getattr(a, k) for k in (
-        "steps", "overhead_steps", "hidden", "layers", "batch", "seed", "abft")}}
+        "steps", "overhead_steps", "hidden", "layers", "batch", "seed", "abft", "seq", "overhead_only")}}
     t0 = time.perf_counter()
     res = spawn(a.world, _bench, (args,), timeout_s=3600)
     print(f"# bench.sdc — {machine()}; DP {a.world} (gloo), abft {'on' if a.abft else 'off'}, "
           f"{time.perf_counter() - t0:.0f}s")
-    _report_flips(res["outcomes"], a.steps)
-    fps = res["false_positives"]
-    print(f"\n## false positives: {len(fps)} in {res['clean_steps']} clean steps "
-          f"({res['clean_seconds']:.0f}s){': ' + str(fps[:10]) if fps else ''}")
+    if not a.overhead_only:
+        _report_flips(res["outcomes"], a.steps)
+        fps = res["false_positives"]
+        print(f"\n## false positives: {len(fps)} in {res['clean_steps']} clean steps "
+              f"({res['clean_seconds']:.0f}s){': ' + str(fps[:10]) if fps else ''}")
+        if res["abft_worst"] is not None:
+            print(f"ABFT margin: the largest clean |difference| / tolerance was {res['abft_worst']:.3f} "
+                  "(rank 0; > 1 would be a false positive)")
     off, on = res["step_off"], res["step_on"]
     print(f"\n## overhead ({res['overhead_params'] / 1e6:.1f}M params, hidden {a.hidden}, {a.layers} layers, "
-          f"seq 128, micro-batch {a.batch} per replica)")
+          f"seq {a.seq}, micro-batch {a.batch} per replica: {a.seq * a.batch} tokens per rank)")
     print(table(["checks", "median step (s)"], [["off", f"{off:.4f}"], ["on", f"{on:.4f}"]]))
     per = res["check_per_step"]
     print(table(["check", "ms per step", "share of the step"],

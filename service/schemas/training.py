@@ -186,7 +186,8 @@ class FaultTolerancePolicy(StrictModel):
     )
     sdc_abft: bool = Field(
         False, description="Checksum every linear, embedding and norm weight gradient before the DP "
-        "reduction (catches sign and mantissa flips; a few % of step time)."
+        "reduction (catches sign, exponent and mantissa flips above rounding; ~5-10% of step time on the "
+        "CPU bench, falling as the hidden size grows; docs/benchmarks.md)."
     )
     elastic: bool = Field(
         False, description="Shrink to a smaller DP when capacity is lost and grow back when it returns, "

@@ -342,3 +342,64 @@ def test_job_spec_flag_turns_on_abft() -> None:
     on = JobSpec.model_validate({**DEMO_SPEC, "fault_tolerance": {"sdc_abft": True}})
     assert on.to_run_config(Layout(dp=2), None).integrity.abft is True
     assert JobSpec.model_validate(DEMO_SPEC).to_run_config(Layout(dp=2), None).integrity.abft is False
+
+
+# ---- the probabilistic tolerance at realistic sizes ------------------------------------------------------
+
+
+def _linear_grad(t: int, n_in: int, n_out: int, seed: int, coherent: bool = False) -> tuple[Any, Any]:
+    from training.integrity.abft import GradABFT
+
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(n_in, n_out, bias=False)
+    abft = GradABFT(lin)
+    if coherent:  # every output gradient positive, inputs with a common offset: the rows add up
+        x, dy = torch.randn(t, n_in) * 0.1 + 3.0, torch.rand(t, n_out) + 1.0
+    else:
+        x, dy = torch.randn(t, n_in), torch.randn(t, n_out)
+    lin(x).backward(dy)
+    return lin, abft
+
+
+@pytest.mark.parametrize("coherent", [False, True])
+def test_abft_tolerance_has_no_false_positives_at_1024_tokens(coherent: bool) -> None:
+    for seed in range(3):
+        _, abft = _linear_grad(1024, 256, 1024, seed, coherent)
+        assert abft.verify(0, rank=0) is None
+        assert 0.0 < abft.worst < 0.5  # measured <= 0.04: the margin the bound keeps
+
+
+def test_abft_catches_a_sign_flip_of_a_small_element_at_1024_tokens() -> None:
+    # The worst-case bound needed a change of ~8x the column's RMS element at this size (a sign
+    # flip of a typical element passed); the probabilistic one fires at ~0.04x.
+    for column in (0, 77, 255):
+        lin, abft = _linear_grad(1024, 256, 1024, seed=column, coherent=False)
+        g = lin.weight.grad
+        col = g[:, column]
+        row = int((col.abs() - 0.1 * col.pow(2).mean().sqrt()).abs().argmin())  # |G| ~ RMS / 10
+        flip_bit(g, row * g.shape[1] + column, 31)
+        error = abft.verify(0, rank=1)
+        assert error is not None and error.kind == "grad_abft" and error.evidence["column"] == column
+
+
+def test_abft_bf16_gradients_pass_clean_and_catch_a_sign_flip() -> None:
+    from training.integrity.abft import GradABFT
+    from training.model.transformer import RMSNorm
+
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 32), RMSNorm(32, 1e-5), torch.nn.Linear(32, 64)
+                                ).to(torch.bfloat16)
+    abft = GradABFT(model)
+    g = torch.Generator().manual_seed(5)
+    for step in range(11):
+        model.zero_grad(set_to_none=True)
+        for _mb in range(2):
+            tokens = torch.randint(0, 64, (4, 32), generator=g)
+            logits = model(tokens).float().flatten(0, 1)
+            torch.nn.functional.cross_entropy(logits, tokens.flatten()).backward()
+        if step < 10:
+            assert abft.verify(step, rank=0) is None, step
+    grad = model[2].weight.grad
+    flip_bit(grad, int(grad.abs().argmax()), 15)  # bf16's sign bit
+    error = abft.verify(10, rank=0)
+    assert error is not None and error.evidence["layer"] == "2"
