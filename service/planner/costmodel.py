@@ -259,6 +259,18 @@ class Stage:
         # The optimizer step is memory-bound elementwise work on the (sharded) fp32 state.
         rate = env.opt_bytes_per_param / env.hbm_bw
         self.opt = [(big + expert) * rate] + [(big / fam.d + expert / fam.d_e) * rate] * 3
+        eff = env.eff
+        if eff.optimizer_param > 0:  # measured as the engine steps (training/calibration/measure.py)
+            m = env.model
+            per_layer = 4 + (3 if m.activation == "swiglu" else 2) + 2  # q, k, v, o; MLP; two norms
+            # + embedding, head (unless tied), final norm on one rank; the last stage's head and norm
+            ends = (3 - m.tied_embeddings) if self.same_rank else 2
+            tensors = self.layers * per_layer + ends
+            # Our ZeRO-1 steps only the tensors a rank owns (training/parallel/zero.py); FSDP2 every shard.
+            owned = [tensors, tensors / fam.d, tensors, tensors]
+            params = [big + expert] + [big / fam.d + expert / fam.d_e] * 3
+            self.opt = [n * eff.optimizer_tensor + p * eff.optimizer_param
+                        for n, p in zip(owned, params, strict=True)]
 
 
 class Micro:

@@ -73,6 +73,10 @@ class HardwareProfile:
     attention: Sequence[tuple[int, int, float]] = ()  # [(seq_len, head_dim, FLOP/s fwd+bwd)]
     memory_bw: float = 0.0  # bytes/s, large device-to-device copy (read + write)
     op_overhead_s: float = 0.0  # fixed cost per op forward + backward (dispatch, autograd, launch)
+    # The engine's optimizer step (clip + AdamW) as measured: fixed seconds per parameter tensor and
+    # seconds per parameter (0: not measured; the fp32 state's bytes at the memory bandwidth instead).
+    optimizer_tensor_s: float = 0.0
+    optimizer_param_s: float = 0.0
     collectives: Mapping[str, Sequence[tuple[float, float]]] = field(
         default_factory=dict
     )  # kind -> [(bytes, s)]
@@ -103,6 +107,8 @@ class HardwareProfile:
             "attention": [list(p) for p in self.attention],
             "memory_bw": self.memory_bw,
             "op_overhead_s": self.op_overhead_s,
+            "optimizer_tensor_s": self.optimizer_tensor_s,
+            "optimizer_param_s": self.optimizer_param_s,
             "collectives": {k: [list(p) for p in pts] for k, pts in self.collectives.items()},
             "ranks": self.ranks,
             "backend": self.backend,
@@ -133,6 +139,8 @@ class HardwareProfile:
                 node_type=str(doc["node_type"]), version=int(doc.get("version", 0)), compute_dtype=dtype,
                 matmul=matmul, attention=attention, memory_bw=float(doc.get("memory_bw", 0.0)),
                 op_overhead_s=float(doc.get("op_overhead_s", 0.0)),
+                optimizer_tensor_s=float(doc.get("optimizer_tensor_s", 0.0)),
+                optimizer_param_s=float(doc.get("optimizer_param_s", 0.0)),
                 collectives=coll, ranks=int(doc.get("ranks", 2)), backend=str(doc.get("backend", "")),
                 tp_linear=engine["tp_linear"], fsdp_unit=engine["fsdp_unit"], ddp_step=engine["ddp_step"],
                 concurrency=max(1.0, float(doc.get("concurrency", 1.0))), meta=dict(doc.get("meta", {})),
@@ -224,6 +232,8 @@ class Efficiency:
         self._fsdp_unit = _SizeCurve.of(profile.fsdp_unit) if profile is not None else None
         self._ddp_step = _SizeCurve.of(profile.ddp_step) if profile is not None else None
         self.op_overhead = profile.op_overhead_s if profile is not None else 0.0
+        self.optimizer_tensor = profile.optimizer_tensor_s if profile is not None else 0.0
+        self.optimizer_param = profile.optimizer_param_s if profile is not None else 0.0
         self.peak = gpu.peak_flops
         self.hbm_bw = profile.memory_bw if profile is not None and profile.memory_bw > 0 else gpu.hbm_bw
         family = next((k for k in _DATACENTER if gpu.name.upper().startswith(k)), None)

@@ -93,3 +93,23 @@ def test_measured_engine_cost_is_monotone_in_size_and_grows_with_the_link_beyond
     assert Efficiency(gpu, _profile()).tp_linear_time(1e5, 1e9) is None
     assert Efficiency(gpu, None).fsdp_unit_time(1e5, 1e9) is None
 
+
+
+def test_the_measured_optimizer_step_charges_each_tensor_and_parameter_a_rank_steps() -> None:
+    """Clip + AdamW as measured: a fixed cost per parameter tensor (AdamW loops over them where nothing
+    fuses) and a cost per parameter; our ZeRO-1 steps only the tensors and parameters a rank owns."""
+    from dataclasses import replace
+
+    from training.config.arithmetic import total_params
+
+    per_tensor, per_param = 40e-6, 4e-9
+    measured = replace(_profile(), optimizer_tensor_s=per_tensor, optimizer_param_s=per_param)
+    assert HardwareProfile.from_dict(measured.to_dict()) == measured
+    tensors = DEMO.layers * (4 + 3 + 2) + 3 - DEMO.tied_embeddings  # per block; embedding, head, final norm
+    whole = tensors * per_tensor + total_params(DEMO) * per_param
+    lay = Layout(dp=1, micro_batch_size=4, num_microbatches=2)
+    assert _eval(lay, measured)["optimizer"] == pytest.approx(whole, rel=1e-6)
+    zero1 = _eval(Layout(dp=2, zero_stage=1, micro_batch_size=4, num_microbatches=1), measured)["optimizer"]
+    assert zero1 == pytest.approx(whole / 2, rel=1e-6)
+    # Unmeasured: the fp32 state's bytes at the memory bandwidth, as before (much less on this profile).
+    assert _eval(lay, _profile())["optimizer"] < _eval(lay, measured)["optimizer"] / 2

@@ -179,6 +179,36 @@ def measure_op_overhead(device: torch.device, repeats: int, ops: int = 64) -> fl
     return _best_time(chain, device, repeats) / ops
 
 
+def measure_optimizer(device: torch.device, repeats: int) -> tuple[float, float]:
+    """(seconds per parameter tensor, seconds per parameter) of the engine's optimizer step (global-norm
+    clip + AdamW + zero_grad) as it runs here: the fixed part from the slope between 16 and 64 tiny
+    tensors, the per-element part from 4 tensors of 2^18. Where no fused kernel applies (CPU), AdamW
+    loops over tensors in Python and makes ~10 passes over each; the fused CUDA kernel makes one."""
+    from torch import nn
+
+    from training.parallel.optim import clip_grad_norm, use_fused_adamw
+
+    def per_step(n: int, numel: int) -> float:
+        part = nn.ParameterList([nn.Parameter(torch.randn(numel, device=device)) for _ in range(n)])
+        params = list(part.parameters())
+        opt = torch.optim.AdamW(params, lr=1e-3, fused=True if use_fused_adamw(params) else None)
+        grads = [torch.full_like(p, 1e-3) for p in params]
+
+        def step() -> None:
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            clip_grad_norm([part], 1.0, None)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return _best_time(step, device, repeats)
+
+    per_tensor = max(0.0, (per_step(64, 64) - per_step(16, 64)) / 48)
+    big = 1 << 18
+    per_param = max(0.0, (per_step(4, big) - 4 * per_tensor) / (4 * big))
+    return per_tensor, per_param
+
+
 def rank_threads() -> int:
     """Threads one rank computes with on CPU: what the worker group gives it (OMP_NUM_THREADS, set to 1
     by workers/worker_group.py), so the profile measures what a rank achieves."""
@@ -202,9 +232,10 @@ def calibrate(node_type: str, grid: Grid | None = None) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "node_type": node_type, "version": 0, "compute_dtype": compute_dtype, "matmul": matmul,
             "attention": measure_attention(grid, device, dtype), "memory_bw": measure_memory_bw(grid, device),
-            "op_overhead_s": measure_op_overhead(device, grid.repeats), "collectives": {}, "ranks": 2,
-            "backend": "",
+            "op_overhead_s": measure_op_overhead(device, grid.repeats),
+            "collectives": {}, "ranks": 2, "backend": "",
         }  # fmt: skip
+        doc["optimizer_tensor_s"], doc["optimizer_param_s"] = measure_optimizer(device, grid.repeats)
         threads = torch.get_num_threads()
         # The timings above are medians of short calls that mostly fit between other processes' time
         # slices; a training step lasts many slices and gets the CPU share the host leaves it: wall
