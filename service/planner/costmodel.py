@@ -256,21 +256,23 @@ class Stage:
             once[0] = ddp  # measured as the engine's bucketed DDP issues it (training/calibration/engine.py)
         self.dp_once, self.dp_per_mb = once, per_mb
         self.dp_bytes_once, self.dp_bytes_per_mb = bytes_once, bytes_per_mb
-        # The optimizer step is memory-bound elementwise work on the (sharded) fp32 state.
-        rate = env.opt_bytes_per_param / env.hbm_bw
-        self.opt = [(big + expert) * rate] + [(big / fam.d + expert / fam.d_e) * rate] * 3
-        eff = env.eff
-        if eff.optimizer_param > 0:  # measured as the engine steps (training/calibration/measure.py)
-            m = env.model
-            per_layer = 4 + (3 if m.activation == "swiglu" else 2) + 2  # q, k, v, o; MLP; two norms
-            # + embedding, head (unless tied), final norm on one rank; the last stage's head and norm
-            ends = (3 - m.tied_embeddings) if self.same_rank else 2
-            tensors = self.layers * per_layer + ends
-            # Our ZeRO-1 steps only the tensors a rank owns (training/parallel/zero.py); FSDP2 every shard.
-            owned = [tensors, tensors / fam.d, tensors, tensors]
-            params = [big + expert] + [big / fam.d + expert / fam.d_e] * 3
-            self.opt = [n * eff.optimizer_tensor + p * eff.optimizer_param
-                        for n, p in zip(owned, params, strict=True)]
+        self.opt = self._optimizer(big, expert)
+
+    def _optimizer(self, big: float, expert: float) -> list[float]:
+        """Seconds of the optimizer step for each ZeRO stage on the busiest rank."""
+        fam, env = self.fam, self.fam.env
+        eff, m = env.eff, env.model
+        params = [big + expert] + [big / fam.d + expert / fam.d_e] * 3
+        if eff.optimizer_param <= 0:  # memory-bound elementwise work on the (sharded) fp32 state
+            return [p * env.opt_bytes_per_param / env.hbm_bw for p in params]
+        # Measured as the engine steps (training/calibration/measure.py): per tensor and per parameter.
+        per_layer = 4 + (3 if m.activation == "swiglu" else 2) + 2  # q, k, v, o; MLP; two norms
+        # + embedding, head (unless tied), final norm on one rank; the last stage's head and norm
+        tensors = self.layers * per_layer + ((3 - m.tied_embeddings) if self.same_rank else 2)
+        # Our ZeRO-1 steps only the tensors a rank owns (training/parallel/zero.py); FSDP2 every shard.
+        owned = [tensors, tensors / fam.d, tensors, tensors]
+        return [n * eff.optimizer_tensor + p * eff.optimizer_param
+                for n, p in zip(owned, params, strict=True)]
 
 
 class Micro:
