@@ -22,6 +22,7 @@ from service.planner.efficiency import Efficiency
 from service.planner.formulas import (
     ParamCounts,
     activation_bytes_per_layer,
+    block_matrices,
     bubble_fraction,
     cp_ring_bytes_per_layer,
     engine_activation_terms,
@@ -266,7 +267,7 @@ class Stage:
         if eff.optimizer_param <= 0:  # memory-bound elementwise work on the (sharded) fp32 state
             return [p * env.opt_bytes_per_param / env.hbm_bw for p in params]
         # Measured as the engine steps (training/calibration/measure.py): per tensor and per parameter.
-        per_layer = 4 + (3 if m.activation == "swiglu" else 2) + 2  # q, k, v, o; MLP; two norms
+        per_layer = block_matrices(m) + 2  # q, k, v, o, the MLP's; two norms
         # + embedding, head (unless tied), final norm on one rank; the last stage's head and norm
         tensors = self.layers * per_layer + ((3 - m.tied_embeddings) if self.same_rank else 2)
         # Our ZeRO-1 steps only the tensors a rank owns (training/parallel/zero.py); FSDP2 every shard.
@@ -325,7 +326,7 @@ class Micro:
             # sharded linear (q, k, v, o, MLP up / gate / down; training/parallel/tensor.py) costs its
             # DTensor dispatch and one all-reduce of the (tokens, h) activation; full recomputation
             # repeats the forward half. The row-parallel embedding and column-parallel head add two.
-            linears = 4 + (3 if m.activation == "swiglu" else 2)
+            linears = block_matrices(m)
             self.t_tp = passes / 2 * linears * issued
             self.t_tp_edge = 2 * issued
         # CP ring: (4cp-2) bf16 K/V blocks per layer (formulas.cp_ring_bytes_per_layer), one latency per

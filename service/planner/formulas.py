@@ -12,6 +12,7 @@ from training.config.arithmetic import (
     ParamCounts,
     act_bytes,
     block_activation_bytes,
+    block_matrices,
     flops_per_token,
     head_activation_bytes,
     param_counts,
@@ -22,8 +23,8 @@ from training.config.spec import ModelSpec
 # The model arithmetic (parameter counts, FLOPs per token) is training.config.arithmetic's, shared
 # with the trainer's MFU metric; re-exported here for the planner's importers.
 __all__ = [
-    "V_SHAPED", "ParamCounts", "activation_bytes_per_layer", "bubble_fraction", "cp_ring_bytes_per_layer",
-    "engine_activation_terms",
+    "V_SHAPED", "ParamCounts", "activation_bytes_per_layer", "block_matrices", "bubble_fraction",
+    "cp_ring_bytes_per_layer", "engine_activation_terms",
     "ep_all_to_all_bytes_per_layer", "flops_per_token", "hops", "inflight_microbatches", "model_state_bytes",
     "param_counts", "recompute_flops_per_token_layer", "ring_bytes", "ring_recompute_flops_per_token_layer",
     "total_params", "tp_bytes_per_layer",

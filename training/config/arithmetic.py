@@ -53,6 +53,12 @@ def _mlp_matrices(model: ModelSpec) -> int:
     return 3 if model.activation == "swiglu" else 2  # SwiGLU has gate, up, down; GeLU MLP has up, down
 
 
+def block_matrices(model: ModelSpec) -> int:
+    """Weight matrices of one block: q, k, v, o and the MLP's (the linears TP shards, the tensors the
+    optimizer steps besides the two norms)."""
+    return 4 + _mlp_matrices(model)
+
+
 def param_counts(model: ModelSpec) -> ParamCounts:
     h, f = model.hidden, model.ffn_dim
     kv_dim = model.n_kv_heads * model.head_dim
