@@ -4,7 +4,11 @@ Pure logic (no Ray): the worker group asks after the survivors have ended the fa
 which step's state they kept (`RankActor.kept`). The peer path applies when the run's replicas hold
 everything a rank holds (`RunConfig.peer_recovery_blocker`), every survivor kept the state of the
 same step, and every lost rank has a surviving peer at the same (pp, tp, cp) coordinate, i.e. the
-same model shard in another DP replica. Otherwise the reason says why the checkpoint is used.
+same model shard in another DP replica. Under ZeRO-1 with shadow shards (training.parallel.zero) a
+lost rank's optimizer shard survives only on the rank that shadows it, its predecessor in the DP
+ring (dp - 1 mod DP), which must survive and be its source; its own shadow (of dp + 1's shard) is
+copied from that owner, which survives too as no two ring neighbours were both lost. Otherwise the
+reason says why the checkpoint is used.
 """
 
 from __future__ import annotations
@@ -54,8 +58,14 @@ def choose(run_cfg: RunConfig, ranks: Sequence[RankPlacement], lost: Collection[
     step = next(iter(steps))
     sources: dict[int, int] = {}
     load: dict[int, int] = {}
+    dp = run_cfg.layout.dp
     for r in sorted((x for x in ranks if x.rank in lost), key=lambda x: x.rank):
         peers = [s for s in survivors if (s.pp, s.tp, s.cp) == (r.pp, r.tp, r.cp)]
+        if run_cfg.layout.zero_stage == 1:  # the shadow of r's optimizer shard is on dp - 1 only
+            peers = [s for s in peers if s.dp == (r.dp - 1) % dp]
+            if not peers:
+                return RecoveryPath("checkpoint", f"rank {r.rank}'s ZeRO-1 shard was lost with its shadow "
+                                    f"(DP ring neighbour dp {(r.dp - 1) % dp} lost too)")
         if not peers:
             return RecoveryPath("checkpoint", f"rank {r.rank} has no healthy DP peer (its shard is lost)")
         src = min(peers, key=lambda s: (load.get(s.rank, 0), s.rank))  # spread the sends

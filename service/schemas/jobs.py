@@ -196,6 +196,7 @@ class JobSpec(StrictModel):
             dp_impl=self.train.dp_impl,
             precision=self.train.precision or precision or "fp32",
             compile=self.train.compile,
+            shadow_optimizer=self.fault_tolerance.shadow_optimizer,
             init_from=(InitConfig(path=self.model.init_from.path, format=self.model.init_from.format)
                        if self.model.init_from is not None else None),
         )

@@ -189,6 +189,13 @@ class FaultTolerancePolicy(StrictModel):
         "reduction (catches sign, exponent and mantissa flips above rounding; ~5-10% of step time on the "
         "CPU bench, falling as the hidden size grows; docs/benchmarks.md)."
     )
+    shadow_optimizer: bool = Field(
+        False, description="ZeRO-1: each rank also keeps and steps its DP successor's optimizer shard, so "
+        "a lost rank comes back from its peers (its shard, parameters and data position) with no step "
+        "lost instead of from the checkpoint. Costs 1/DP more optimizer state memory and optimizer step "
+        "time per rank; fp32 runs without context or expert parallelism; ZeRO-2/3 (FSDP) keep the "
+        "checkpoint path (docs/fault_tolerance.md)."
+    )
     elastic: bool = Field(
         False, description="Shrink to a smaller DP when capacity is lost and grow back when it returns, "
         "at a checkpoint, the global batch kept (docs/fault_tolerance.md)."

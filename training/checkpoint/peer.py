@@ -16,6 +16,12 @@ rank's `Trainer` on a fresh process group; then
 This needs replicas that hold everything a rank holds: ZeRO-0 (DDP), no expert parallelism (a bf16
 run's fp32 masters travel in place of its bf16 copies); workers.recovery_path decides when the peer
 path applies.
+
+ZeRO-1 with shadow shards (training.parallel.zero, `shadow=True`): rank r keeps its own optimizer
+shard and a bit-identical shadow of its successor's, so a rank keeps both, and the source of a lost
+rank L must be the rank that shadows it (L - 1 in the ZeRO group): it sends its parameters, its data
+position and, as L's own shard, its shadow. L's shadow of L + 1's shard, like every other shadow, is
+copied from its owner before the first step of the new attempt (`ShardedOptimizer.sync_shadow`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from training.integrity.fingerprint import find_divergent_replicas, param_fingerprint
 from training.parallel.precision import masters_in_place, plain_optimizer
+from training.parallel.zero import ShardedOptimizer
 
 
 class PeerRestoreError(RuntimeError):
@@ -44,12 +51,19 @@ class KeptState:
     params: list[torch.Tensor]  # local shards (DTensor.to_local) in parameter order over the parts
     optim: list[dict[str, Any]]  # per parameter: optimizer slot -> local tensor or plain value
     data: dict[str, Any] = field(default_factory=dict)
+    # ZeRO-1 with shadow shards: per parameter, the shadow's slots (those of the successor's shard)
+    shadow: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
-        tensors = [*self.params, *(v for slots in self.optim for v in slots.values()
+        tensors = [*self.params, *(v for slots in [*self.optim, *self.shadow] for v in slots.values()
                                    if isinstance(v, torch.Tensor))]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def for_successor(self) -> KeptState:
+        """What a ZeRO-1 rank sends the replacement of the rank it shadows: its shadow is that
+        rank's own shard (the replacement's shadow comes from its owner at the first step)."""
+        return KeptState(self.step, self.params, self.shadow, self.data)
 
 
 @dataclass(frozen=True)
@@ -71,11 +85,27 @@ def _params(trainer: Any) -> list[torch.nn.Parameter]:
     return [p for _, p in trainer.named_parameters()]
 
 
-def _slots(trainer: Any) -> dict[torch.nn.Parameter, dict[str, Any]]:
-    """Each parameter's optimizer state (exp_avg, exp_avg_sq, step for AdamW)."""
+def _sharded(trainer: Any) -> list[ShardedOptimizer]:
+    return [o for o in map(plain_optimizer, trainer.optimizers) if isinstance(o, ShardedOptimizer)]
+
+
+def _holders(trainer: Any, shadow: bool = False) -> list[torch.optim.Optimizer]:
+    """The optimizers whose `.state` holds the slots: a ZeRO-1 optimizer's inner one (or, `shadow`,
+    its shadow), any other optimizer itself."""
+    out = []
+    for opt in map(plain_optimizer, trainer.optimizers):
+        held = (opt.shadow if shadow else opt.inner) if isinstance(opt, ShardedOptimizer) else opt
+        if held is not None and not (shadow and held is opt):
+            out.append(held)
+    return out
+
+
+def _slots(trainer: Any, shadow: bool = False) -> dict[torch.nn.Parameter, dict[str, Any]]:
+    """Each parameter's optimizer state (exp_avg, exp_avg_sq, step for AdamW); `shadow`: the
+    ZeRO-1 shadow shard's."""
     out: dict[torch.nn.Parameter, dict[str, Any]] = {}
-    for opt in trainer.optimizers:
-        out.update(plain_optimizer(opt).state)
+    for opt in _holders(trainer, shadow):
+        out.update(opt.state)
     return out
 
 
@@ -93,13 +123,18 @@ def capture(trainer: Any) -> KeptState:
     """This rank's parameters, optimizer state and data position (local, no collective). No copy:
     the failed attempt's tensors are kept alive by reference (its modules, gradients and activations
     are freed with it), and the next attempt copies them into its own."""
-    slots = _slots(trainer)
     params = _params(trainer)
-    optim = [{k: _local(v).detach() if isinstance(v, torch.Tensor) else v
-              for k, v in slots.get(p, {}).items()} for p in params]
+
+    def kept_slots(slots: dict[torch.nn.Parameter, dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: _local(v).detach() if isinstance(v, torch.Tensor) else v
+                 for k, v in slots.get(p, {}).items()} for p in params]
+
+    optim = kept_slots(_slots(trainer))
+    shadowed = any(o.shadow is not None for o in _sharded(trainer))
+    shadow = kept_slots(_slots(trainer, shadow=True)) if shadowed else []
     with masters_in_place(trainer.optimizers):  # a bf16 run keeps its fp32 masters, not the copies
         values = [_local(p).detach() for p in params]
-    return KeptState(trainer.step, values, optim, dict(trainer.data.state_dict()))
+    return KeptState(trainer.step, values, optim, dict(trainer.data.state_dict()), shadow)
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -114,18 +149,19 @@ def _install(trainer: Any, kept: KeptState) -> None:
     params = _params(trainer)
     if len(params) != len(kept.params):
         raise PeerRestoreError(f"{len(kept.params)} parameters kept, {len(params)} built")
-    for opt in trainer.optimizers:
-        plain_optimizer(opt).state.clear()
-    owner = {p: plain_optimizer(opt) for opt in trainer.optimizers
-             for g in plain_optimizer(opt).param_groups for p in g["params"]}
     device = trainer.ctx.device
     with masters_in_place(trainer.optimizers):  # into the fp32 masters (bf16 copies follow on exit)
         for p, value in zip(params, kept.params, strict=True):
             _local(p).copy_(value.to(device))
-    for p, slots in zip(params, kept.optim, strict=True):
-        if slots and p in owner:
-            owner[p].state[p] = {k: _like(p, v.to(device) if v.dim() else v) if isinstance(v, torch.Tensor)
-                                 else v for k, v in slots.items()}
+    for shadow, kept_slots in ((False, kept.optim), (True, kept.shadow)):
+        holders = _holders(trainer, shadow)
+        for opt in holders:
+            opt.state.clear()
+        owner = {p: opt for opt in holders for g in opt.param_groups for p in g["params"]}
+        for p, slots in zip(params, kept_slots, strict=False):  # no shadow kept: nothing to install
+            if slots and p in owner:
+                owner[p].state[p] = {k: _like(p, v.to(device) if v.dim() else v)
+                                     if isinstance(v, torch.Tensor) else v for k, v in slots.items()}
     trainer.data.load_state_dict(kept.data)
     trainer.step = kept.step
 
@@ -193,9 +229,24 @@ def verify(trainer: Any, step: int) -> None:
         raise PeerRestoreError(f"DP replicas {divergent} disagree after the peer transfer of step {step}")
 
 
+def _check_shard_sources(trainer: Any, plan: PeerPlan) -> None:
+    """ZeRO-1: a lost rank's shard lives only on the rank that shadows it (the one before it in
+    the ZeRO group), so that rank must be its source (workers.recovery_path chooses it so)."""
+    for zopt in _sharded(trainer):
+        if zopt.shadow is None:
+            raise PeerRestoreError("a ZeRO-1 optimizer without shadow shards cannot take a peer's state")
+        group = dist.get_process_group_ranks(zopt.process_group)
+        pos = group.index(dist.get_rank())
+        prev, succ = group[(pos - 1) % len(group)], group[(pos + 1) % len(group)]
+        if plan.receive_from not in (None, prev) or any(d != succ for d in plan.send_to):
+            raise PeerRestoreError(f"rank {dist.get_rank()}'s ZeRO-1 shard comes from rank {prev} "
+                                   f"and it can serve rank {succ} only, not the plan {plan}")
+
+
 def restore_from_peers(trainer: Any, plan: PeerPlan, kept: KeptState | None) -> int:
     """Run this rank's part of a peer recovery; returns the step training resumes after."""
     device = trainer.ctx.device
+    _check_shard_sources(trainer, plan)
     if plan.receive_from is not None:
         kept = recv_state(trainer, plan.receive_from)
     else:
@@ -205,6 +256,6 @@ def restore_from_peers(trainer: Any, plan: PeerPlan, kept: KeptState | None) -> 
                                    f"the plan needs step {plan.step}")
         load_kept(trainer, kept)
         for dst in plan.send_to:
-            send_state(kept, dst, device)
+            send_state(kept.for_successor() if _sharded(trainer) else kept, dst, device)
     verify(trainer, plan.step)
     return plan.step

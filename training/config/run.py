@@ -102,6 +102,9 @@ class RunConfig:
     precision: str = "fp32"
     compile: bool = False  # torch.compile the model in place (training.parallel.compile)
     compile_backend: str = "inductor"  # "inductor", or "aot_eager" / "eager" (no code generation)
+    # ZeRO-1: each rank also steps its DP successor's optimizer shard (training.parallel.zero, shadow
+    # shard), so a lost rank's shard survives on a peer; job spec: fault_tolerance.shadow_optimizer.
+    shadow_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -129,13 +132,20 @@ class RunConfig:
 
     def peer_recovery_blocker(self) -> str | None:
         """Why a DP peer cannot stand in for a lost rank of this run (None: it can). A peer must hold
-        all the rank's state: replicated parameters and optimizer (ZeRO-0), no expert parallelism,
-        and a replica at all."""
+        all the rank's state: replicated parameters and optimizer (ZeRO-0, or ZeRO-1 with shadow
+        shards in fp32 without context parallelism), no expert parallelism, and a replica at all."""
         layout = self.layout
         if layout.dp * layout.cp == 1:
             return "no DP replica (dp x cp = 1)"
-        if layout.zero_stage != 0:
-            return f"ZeRO-{layout.zero_stage} shards the optimizer state: no replica holds a rank's shard"
+        if layout.zero_stage == 1 and self.shadow_optimizer:
+            if self.precision != "fp32":
+                return f"ZeRO-1 shadow shards cover fp32 runs only, not {self.precision}'s fp32 masters"
+            if layout.cp != 1:
+                return "ZeRO-1 shadow shards with context parallelism (cp > 1) are not supported"
+        elif layout.zero_stage != 0:
+            return (f"ZeRO-{layout.zero_stage} shards the optimizer state: no replica holds a rank's shard"
+                    + (" (fault_tolerance.shadow_optimizer keeps one under ZeRO-1)"
+                       if layout.zero_stage == 1 else ""))
         if layout.ep != 1:
             return "expert parallelism: DP peers hold other experts"
         return None

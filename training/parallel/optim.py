@@ -73,7 +73,9 @@ def build_optimizer(model_parts: list[nn.Module], layout: Layout, run_cfg: RunCo
     if use_fused_adamw(params):
         kwargs["fused"] = True  # one kernel per step on CUDA instead of a foreach chain
     if layout.zero_stage == 1 and dp_group is not None and dist.get_world_size(dp_group) > 1:
-        return ShardedOptimizer(params, torch.optim.AdamW, process_group=dp_group, **kwargs)
+        # Shadow shards only where a peer recovery can use them (fp32, no CP or EP: the blocker).
+        shadow = run_cfg.shadow_optimizer and run_cfg.peer_recovery_blocker() is None
+        return ShardedOptimizer(params, torch.optim.AdamW, process_group=dp_group, shadow=shadow, **kwargs)
     return torch.optim.AdamW(params, **kwargs)
 
 

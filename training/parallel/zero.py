@@ -24,6 +24,17 @@ Sharded state dict (what `state_dict()` returns and `load_state_dict()` takes):
 `self.param_groups`), identical on every rank. `load_state_dict` takes the entries for the
 parameters this rank owns and ignores the others, so it accepts this rank's own shard or a union of
 all ranks' shards (which is how a checkpoint reloads onto another world size).
+
+Shadow shard (`shadow=True`, the job spec's fault_tolerance.shadow_optimizer): rank r also steps
+the shard of its buddy b = (r + 1) % N in `self.shadow`, a second inner optimizer built over the
+buddy's parameters with the same groups, order and hyper-parameters as the buddy's own `inner`.
+Every rank holds the same parameters and averaged gradients, so the shadow's state equals the
+owner's bit for bit, without any communication per step (the buddy's parameters it updates in
+place are overwritten by the owner's broadcast with the same values). A lost rank's shard thus
+survives on its predecessor (training.checkpoint.peer). The price: 1/N more optimizer state and
+optimizer step time per rank. The shadow is not part of `state_dict`; the first step of each
+optimizer instance copies every owner's state into its shadow (`sync_shadow`, one point-to-point
+exchange), so a shadow is right after a checkpoint restore or a peer recovery as well.
 """
 
 from __future__ import annotations
@@ -67,6 +78,7 @@ class ShardedOptimizer(Optimizer):
         optimizer_cls: type[Optimizer],
         process_group: dist.ProcessGroup | None = None,
         broadcast_bucket_mb: float = 25.0,
+        shadow: bool = False,
         **kwargs: Any,
     ) -> None:
         if not broadcast_bucket_mb > 0:
@@ -77,6 +89,9 @@ class ShardedOptimizer(Optimizer):
         self.world_size = dist.get_world_size(process_group)
         self.optimizer_cls = optimizer_cls
         self.inner: Optimizer | None = None
+        self.shadow_enabled = shadow and self.world_size > 1
+        self.shadow: Optimizer | None = None  # steps the buddy's shard (shadow=True)
+        self._shadow_synced = False
         self._owner: dict[torch.Tensor, int] = {}
         self._index: dict[torch.Tensor, int] = {}
         self._loads = [0] * self.world_size
@@ -100,13 +115,31 @@ class ShardedOptimizer(Optimizer):
         owners = partition_by_size([local_tensor(p).numel() for p in new], self.world_size, self._loads)
         for p, owner in zip(new, owners, strict=True):
             self._owner[p] = owner
-        owned_group = {k: v for k, v in group.items() if k != "params"}
-        owned_group["params"] = [p for p in group["params"] if self._owner[p] == self.rank]
-        if self.inner is None:
-            self.inner = self.optimizer_cls([owned_group], **self._inner_kwargs)
-        else:
-            self.inner.add_param_group(owned_group)
+        self.inner = self._add_inner_group(self.inner, group, self.rank)
+        if self.shadow_enabled:
+            self.shadow = self._add_inner_group(self.shadow, group, self.buddy)
         self._broadcast_plan = None
+
+    def _add_inner_group(self, inner: Optimizer | None, group: dict[str, Any], owner: int) -> Optimizer:
+        """`group` restricted to `owner`'s parameters, appended to `inner` (built on the first call):
+        the same construction for this rank's shard and for the shadow of the buddy's."""
+        owned_group = {k: v for k, v in group.items() if k != "params"}
+        owned_group["params"] = [p for p in group["params"] if self._owner[p] == owner]
+        if inner is None:
+            return self.optimizer_cls([owned_group], **self._inner_kwargs)
+        inner.add_param_group(owned_group)
+        return inner
+
+    @property
+    def buddy(self) -> int:
+        """The rank whose shard this rank shadows, (rank + 1) mod N (rank - 1 mod N shadows this one)."""
+        return (self.rank + 1) % self.world_size
+
+    def shadow_params(self) -> list[nn.Parameter]:
+        """The buddy's parameters, in param_index order (empty without a shadow)."""
+        if not self.shadow_enabled:
+            return []
+        return [p for p in self._index if self._owner[p] == self.buddy]
 
     def owner_of(self, param: torch.Tensor) -> int:
         """Rank (within the process group) that owns `param`'s optimizer state."""
@@ -134,10 +167,13 @@ class ShardedOptimizer(Optimizer):
 
     def _sync_hyperparameters(self) -> None:
         assert self.inner is not None
-        for outer, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
-            for k, v in outer.items():
-                if k != "params":
-                    inner[k] = v
+        for opt in (self.inner, self.shadow):
+            if opt is None:
+                continue
+            for outer, inner in zip(self.param_groups, opt.param_groups, strict=True):
+                for k, v in outer.items():
+                    if k != "params":
+                        inner[k] = v
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -155,7 +191,20 @@ class ShardedOptimizer(Optimizer):
         fp32 masters this way, then broadcasts the bf16 parameters)."""
         assert self.inner is not None
         self._sync_hyperparameters()
+        if self.shadow is not None:
+            if not self._shadow_synced:
+                self.sync_shadow()
+            self.shadow.step()  # the buddy's parameters: overwritten by its broadcast, same values
         self.inner.step()
+
+    def sync_shadow(self) -> None:
+        """Copy every owner's optimizer state into its shadow (collective over the group: every
+        rank calls it; training.parallel.shadow)."""
+        from training.parallel.shadow import exchange_shadow_state
+
+        assert self.inner is not None and self.shadow is not None
+        exchange_shadow_state(self)
+        self._shadow_synced = True
 
     def broadcast_plan(self) -> list[tuple[int, list[list[torch.Tensor]]]]:
         """For each owner rank, its parameters' local tensors in chunks of one (dtype, device) and at
