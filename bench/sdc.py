@@ -310,6 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table(["check", "ms per step", "share of the step"],
                 [[k, f"{v * 1e3:.2f}", f"{100 * v / on:.2f}%"] for k, v in per.items()]))
     total = sum(per.values())
+    abft = sum(v for k, v in per.items() if "ABFT" in k)  # check_local_grads is only the ABFT compare
+    print(f"default checks {100 * (total - abft) / on:.2f}%, ABFT {100 * abft / on:.2f}% of the step")
     print(f"the checks' own time: {total * 1e3:.2f} ms per step = {100 * total / on:.2f}% of the step "
           "(target <= 2%)")
     print(f"whole-step A/B difference: {100 * (on - off) / off:+.2f}% (noise of a shared machine included)")

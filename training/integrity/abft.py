@@ -36,7 +36,9 @@ Cost (bench.sdc measures it): per linear layer two reductions of dY (its row sum
 one matrix-vector product with X; the column norms of X once per input, in the forward hook (X is
 in cache), shared by the projections that read it (q, k, v; w1, w3). |X| and |dY| are no longer
 materialised for a linear layer (on CPU the squares of X are, once per input). The comparison at
-the end of backward is one pass over each gradient, a few small vector ops, one host sync.
+the end of backward is one pass over each gradient (its column sums), then batched over all layers:
+the linear layers' error scales in one stack, one fused norm and one product, every tolerance in
+one multiply, one host sync. The hooks compute on detached tensors (no autograd context to enter).
 
 Scope: `nn.Linear`, `nn.Embedding` (dense, no padding row) and RMSNorm weights used by no other
 module (a tied weight gets other gradients too), not DTensor (TP/FSDP) weights, and pipeline
@@ -47,6 +49,7 @@ keeps them anyway, except under activation recompute).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from typing import Any
@@ -92,7 +95,6 @@ class GradABFT:
         # id(layer) -> this step's backward passes: (predicted checksum, its error scale, terms per sum)
         self._expected: dict[int, list[tuple[torch.Tensor, Any, int]]] = {}
         self._input_norms: tuple[Any, Any] = (None, None)  # the last linear input and ||X_:j||_2
-        self._ones = torch.empty(0)  # CPU: a ones vector for column sums
         self._handles = [m.register_forward_hook(self._on_forward) for _, m in self.layers.values()]
         self.error: IntegrityError | None = None
         self.worst = 0.0  # the last verified step's largest |difference| / tolerance (<= 1 passes)
@@ -105,14 +107,14 @@ class GradABFT:
     def _on_forward(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
-        x = output if isinstance(module, RMSNorm) else inputs[0]  # the norm's check reads its output
+        # Every tensor the checks compute on is detached: they record no graph (no no_grad context).
+        x = (output if isinstance(module, RMSNorm) else inputs[0]).detach()  # the norm's check reads Y
         norms = None
         if isinstance(module, nn.Linear):  # ||X_:j||_2 now, while X is in cache; projections of one
-            if self._input_norms[0] is not x:  # input (q, k, v; w1, w3) share it
-                with torch.no_grad():
-                    self._input_norms = (x, self._column_norms(x.detach().reshape(-1, x.shape[-1])))
+            if self._input_norms[0] is not inputs[0]:  # input (q, k, v; w1, w3) share it
+                self._input_norms = (inputs[0], self._column_norms(x.reshape(-1, x.shape[-1])))
             norms = self._input_norms[1]
-        output.register_hook(lambda dy: self._accumulate(module, x, dy, norms))
+        output.register_hook(functools.partial(self._accumulate, module, x, input_norms=norms))
 
     def _column_norms(self, x2: torch.Tensor) -> torch.Tensor:
         """||X_:j||_2 of a (T, in) input: one fused reduction on CUDA; on CPU squares and a column sum
@@ -122,20 +124,16 @@ class GradABFT:
             return _vnorm(x2, dim=0, dtype=torch.float32)
         return (x2 * x2).sum(dim=0).sqrt_()
 
-    def _column_sums(self, m: torch.Tensor) -> torch.Tensor:
-        """1^T M of a (T, k) matrix; on CPU a GEMV (torch's sum(dim=0) column reduction is ~3x slower
-        on one thread, on par in bench.sdc's two-thread setting)."""
-        if m.is_cuda:
-            return m.sum(dim=0)
-        if self._ones.numel() < m.shape[0] or self._ones.dtype != m.dtype:
-            self._ones = torch.ones(m.shape[0], dtype=m.dtype)
-        return self._ones[: m.shape[0]] @ m
+    @staticmethod
+    def _column_sums(m: torch.Tensor) -> torch.Tensor:
+        """1^T M of a (T, k) matrix. torch's column reduction (measured on one CPU thread, torch 2.13:
+        0.6-0.8x the time of a GEMV with a ones vector for the gradients' shapes)."""
+        return m.sum(dim=0)
 
-    @torch.no_grad()
     def _accumulate(self, module: nn.Module, x: torch.Tensor, dy: torch.Tensor, input_norms: Any = None
                     ) -> None:
         """This backward pass's predicted checksum; only the passes over dY and X run here, the
-        small per-column arithmetic waits for `verify`."""
+        small per-column arithmetic waits for `verify`. `x` is detached."""
         dy2 = dy.detach().reshape(-1, dy.shape[-1])  # (T, out)
         passes = self._expected.setdefault(id(module), [])
         if isinstance(module, nn.Embedding):  # G[v] = sum of dY over the tokens v: 1^T G = 1^T dY
@@ -143,7 +141,7 @@ class GradABFT:
             scale = self._column_sums(dy2.abs())
             passes.append((predicted, scale, 2 * dy2.shape[0]))  # <= T nonzero rows
             return
-        x2 = x.detach().reshape(-1, x.shape[-1])  # (T, in)
+        x2 = x.reshape(-1, x.shape[-1])  # (T, in)
         if isinstance(module, RMSNorm):  # w_j G_j = sum_t dY_tj Y_tj, Y = n w the norm's output
             prod = dy2 * x2  # (T, dim)
             predicted = self._column_sums(prod)
@@ -166,41 +164,12 @@ class GradABFT:
         self.error = None
         expected, self._expected = self._expected, {}
         self._input_norms = (None, None)
-        names, gots, preds, tols = [], [], [], []
-        for key, passes in expected.items():
-            name, module = self.layers[key]
-            grad = module.weight.grad
-            if grad is None:
-                continue
-            g = grad.detach()
-            names.append(name)
-            predicted = passes[0][0] if len(passes) == 1 else torch.stack([p[0] for p in passes]).sum(dim=0)
-            scale = _scale(passes[0][1])
-            for p in passes[1:]:  # micro-batches: the errors of each pass add
-                scale = scale + _scale(p[1])
-            n = sum(p[2] for p in passes) + len(passes)  # roundings on a term's path, both sides
-            factor = min(n, self.lam * math.sqrt(n))
-            if isinstance(module, RMSNorm):
-                got, tol = module.weight.detach() * g, _eps(g) * factor * scale  # w_j G_j
-            elif isinstance(module, nn.Linear) and g.element_size() < 4:
-                # bf16: the GEMM and our sums accumulate in fp32; what rounds to bf16 is each element
-                # of G (random over a column: ||G_:j||_2) and the two halves of the prediction.
-                got = g.sum(dim=0, dtype=torch.float32)
-                tol = 2.0**-23 * factor * scale + _eps(g) * self.lam * (
-                    _vnorm(g, dim=0, dtype=torch.float32) + predicted.abs())
-            else:
-                got, tol = self._column_sums(g), _eps(g) * factor * scale  # 1^T G
-            gots.append(got)
-            preds.append(predicted)
-            tols.append(tol)
-        if not names:
+        compared = self.compare(expected)
+        if compared is None:
             self.worst = 0.0
             return None
-        sizes = [v.numel() for v in gots]
-        tol = torch.cat(tols) + 1e-30
-        diff = (torch.cat(gots) - torch.cat(preds)).abs()
-        ratio = diff / tol
-        self.worst = float(ratio.max())  # NaN propagates: non-finite is bad
+        names, sizes, diff, tol = compared
+        self.worst = float((diff / tol).max())  # NaN propagates: non-finite is bad
         if self.worst <= 1.0:
             return None
         for name, d, t in zip(names, diff.split(sizes), tol.split(sizes), strict=True):
@@ -214,13 +183,72 @@ class GradABFT:
                 return self.error
         return None
 
+    def compare(self, expected: dict[int, list[tuple[torch.Tensor, Any, int]]]
+                ) -> tuple[list[str], list[int], torch.Tensor, torch.Tensor] | None:
+        """(layer names, columns per layer, |1^T G - prediction|, tolerance) over every checked column,
+        or None when no layer has a gradient. Batched: one read of each gradient (its column sums),
+        the linear layers' error scales in a few vector ops over all layers, one multiply for every
+        tolerance (per layer only the column sum, and the bf16 rounding term)."""
+        layers = [(*self.layers[key], passes) for key, passes in expected.items()
+                  if self.layers[key][1].weight.grad is not None]
+        if not layers:
+            return None
+        scales = iter(_pass_scales([p[1] for _, _, passes in layers for p in passes]))
+        names, gots, preds, parts, coefs = [], [], [], [], []
+        for name, module, passes in layers:
+            g = module.weight.grad.detach()
+            names.append(name)
+            predicted = passes[0][0] if len(passes) == 1 else torch.stack([p[0] for p in passes]).sum(dim=0)
+            scale = next(scales)
+            for _ in passes[1:]:  # micro-batches: the errors of each pass add
+                scale = scale + next(scales)
+            n = sum(p[2] for p in passes) + len(passes)  # roundings on a term's path, both sides
+            factor = min(n, self.lam * math.sqrt(n))
+            if isinstance(module, RMSNorm):
+                got, part, coef = module.weight.detach() * g, scale, _eps(g) * factor  # w_j G_j
+            elif isinstance(module, nn.Linear) and g.element_size() < 4:
+                # bf16: the GEMM and our sums accumulate in fp32; what rounds to bf16 is each element
+                # of G (random over a column: ||G_:j||_2) and the two halves of the prediction.
+                got, coef = g.sum(dim=0, dtype=torch.float32), 1.0
+                part = 2.0**-23 * factor * scale + _eps(g) * self.lam * (
+                    _vnorm(g, dim=0, dtype=torch.float32) + predicted.abs())
+            else:
+                got, part, coef = self._column_sums(g), scale, _eps(g) * factor  # 1^T G
+            gots.append(got)
+            preds.append(predicted)
+            parts.append(part)
+            coefs.append(coef)
+        sizes = [v.numel() for v in gots]
+        tol = torch.cat(parts)
+        tol = tol * _repeat(torch.tensor(coefs, dtype=tol.dtype).to(tol.device), sizes) + 1e-30
+        diff = (torch.cat(gots) - torch.cat(preds)).abs()
+        return names, sizes, diff, tol
 
-def _scale(parts: Any) -> torch.Tensor:
-    """A pass's error scale per column: given, or (||dY||_F + ||dY 1||_2) ||X_:j||_2 for a linear."""
-    if isinstance(parts, torch.Tensor):
-        return parts
-    fro, rows, input_norms = parts
-    return input_norms * (fro + _vnorm(rows))
+
+def _repeat(values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """values[i] repeated sizes[i] times (the output size given: no device sync on CUDA)."""
+    counts = torch.tensor(sizes, device=values.device)
+    return torch.repeat_interleave(values, counts, output_size=sum(sizes))
+
+
+def _pass_scales(parts: list[Any]) -> list[torch.Tensor]:
+    """Each pass's error scale per column: given (embeddings, norms), or (||dY||_F + ||dY 1||_2)
+    ||X_:j||_2 for a linear, batched per dtype: one stack of the passes' ||dY||_F, one fused norm of
+    their dY 1, one product with their ||X_:j||_2."""
+    out: list[Any] = list(parts)
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, p in enumerate(parts):
+        if not isinstance(p, torch.Tensor):
+            groups.setdefault((p[1].dtype, p[1].device), []).append(i)
+    for idx in groups.values():
+        fro = torch.stack([parts[i][0] for i in idx])
+        rows = torch.stack(torch._foreach_norm([parts[i][1] for i in idx]))  # noqa: SLF001 - one kernel
+        norms = [parts[i][2] for i in idx]
+        sizes = [v.numel() for v in norms]
+        scaled = torch.cat(norms) * _repeat((fro + rows).to(norms[0].dtype), sizes)
+        for i, v in zip(idx, scaled.split(sizes), strict=True):
+            out[i] = v
+    return out
 
 
 def _num(v: float) -> float | str:

@@ -179,11 +179,12 @@ class GradientAudit:
         rows = [torch.cat([self._local[i].to(device), reduced_sum(buf).view(1)]) for i, (_, _, buf)
                 in enumerate(buckets)]
         mine = torch.cat(rows)
-        self.local_norm = math.sqrt(sum(float(self._local[i][2]) ** 2 for i in range(len(buckets))))
         world = len(self.ranks)
         gathered = torch.empty(world * mine.numel(), dtype=mine.dtype, device=device)
         dist.all_gather_single(gathered, mine, group=self.group)
-        table = gathered.view(world, len(buckets), _STATS + 1).cpu().tolist()
+        table = gathered.view(world, len(buckets), _STATS + 1).cpu().tolist()  # the step's one host sync
+        # this rank's local norms, read from the gathered table (no host sync of their own)
+        self.local_norm = math.sqrt(sum(b[2] ** 2 for b in table[self.ranks.index(dist.get_rank())]))
         self.last = {"norms": [[b[2] for b in r] for r in table], "max": [[b[3] for b in r] for r in table]}
         self.error = self._judge(table, [buf.dtype for _, _, buf in buckets])
         return self.error
