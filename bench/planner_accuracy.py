@@ -171,7 +171,8 @@ def machine_rows() -> None:
 
     print(f"# engine costs (calibration/engine.py): ranks computing at once x{profile.concurrency:.2f}; "
           f"per TP linear {pts(profile.tp_linear)}; per ZeRO-3 unit {pts(profile.fsdp_unit)}; "
-          f"per DDP step {pts(profile.ddp_step)}")
+          f"per DDP step {pts(profile.ddp_step)}; "
+          f"loop overhead per step {profile.step_overhead_s * 1e3:.2f} ms")
     print(f"{'demo layout':32s} {'pred ms':>8s} {'catalog ms':>10s} {'measured ms':>11s} {'ratio':>6s}")
     model = get_preset("demo")
     within = 0

@@ -111,8 +111,9 @@ def term_rows(pred: Mapping[str, Any], meas: Mapping[str, Any] | None) -> list[d
     if meas is not None:
         timed = sum(phases.get(p, 0.0) for p in ("compute", "dp_sync", "optimizer"))
         rest = max(0.0, float(meas["step_time_s"]) - timed)
-        rows.append(_row("other", "other (data, integrity checks, loss summary)", None, rest,
-                         "not in the plan"))
+        overhead = terms.get("overhead") or None  # the calibrated loop overhead (costmodel.finish)
+        rows.append(_row("other", "other (data, integrity checks, loss summary)", overhead, rest,
+                         None if overhead else "not in the plan"))
     rows.append(_row("step", "step", float(pred["step_time_s"]), (meas or {}).get("step_time_s"), None))
     return rows
 

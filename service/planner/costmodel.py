@@ -156,7 +156,7 @@ class Family:
 
     # fmt: off
     __slots__ = ("env", "tp", "cp", "pp", "dp", "ep", "d", "d_e", "tp_tier", "cp_tier", "dp_tier",
-        "pp_tier", "ep_tier", "p_layer_dense", "p_layer_expert", "emb", "head")
+        "pp_tier", "ep_tier", "p_layer_dense", "p_layer_expert", "emb", "head", "shadowed")
     # fmt: on
 
     def __init__(self, env: Env, tp: int, cp: int, pp: int, dp: int, ep: int) -> None:
@@ -175,6 +175,9 @@ class Family:
         self.emb = c.embed / tp
         # A tied head is a second copy of the embedding when it lives on another pipeline rank.
         self.head = (c.head if c.head else (c.embed if pp > 1 else 0)) / tp + c.final_norm
+        # ZeRO-1 shadow shards, where the engine keeps them (RunConfig.peer_recovery_blocker: fp32, no CP/EP).
+        t = env.train
+        self.shadowed = t.shadow_optimizer and t.precision == "fp32" and cp == 1 and ep == 1 and self.d > 1
 
     def key(self) -> tuple[int, int, int, int, int]:
         return (self.tp, self.cp, self.pp, self.dp, self.ep)
@@ -205,10 +208,11 @@ class Stage:
         self.state_first: list[tuple[float, float, float]] = []
         self.state_last: list[tuple[float, float, float]] = []
         self.buffers: list[float] = []
+        shadow = fam.shadowed
         for z in range(4):
             ed = model_state_bytes(expert, z, fam.d_e, bpp, fsdp2=True)
-            fd = model_state_bytes(first_dense, z, fam.d, bpp, fsdp2=True)
-            ld = model_state_bytes(last_dense, z, fam.d, bpp, fsdp2=True)
+            fd = model_state_bytes(first_dense, z, fam.d, bpp, fsdp2=True, shadow=shadow)
+            ld = model_state_bytes(last_dense, z, fam.d, bpp, fsdp2=True, shadow=shadow)
             self.state_first.append((fd[0] + ed[0], fd[1] + ed[1], fd[2] + ed[2]))
             self.state_last.append((ld[0] + ed[0], ld[1] + ed[1], ld[2] + ed[2]))
             # ZeRO-3 gathers a layer before use and prefetches the next one (Zhao et al. 2023, FSDP).
@@ -264,6 +268,8 @@ class Stage:
         fam, env = self.fam, self.fam.env
         eff, m = env.eff, env.model
         params = [big + expert] + [big / fam.d + expert / fam.d_e] * 3
+        shadow = 2 if fam.shadowed else 1  # ZeRO-1 shadow shards: the successor's shard is stepped too
+        params[1] *= shadow
         if eff.optimizer_param <= 0:  # memory-bound elementwise work on the (sharded) fp32 state
             return [p * env.opt_bytes_per_param / env.hbm_bw for p in params]
         # Measured as the engine steps (training/calibration/measure.py): per tensor and per parameter.
@@ -271,7 +277,7 @@ class Stage:
         # + embedding, head (unless tied), final norm on one rank; the last stage's head and norm
         tensors = self.layers * per_layer + ((3 - m.tied_embeddings) if self.same_rank else 2)
         # Our ZeRO-1 steps only the tensors a rank owns (training/parallel/zero.py); FSDP2 every shard.
-        owned = [tensors, tensors / fam.d, tensors, tensors]
+        owned = [tensors, shadow * tensors / fam.d, tensors, tensors]
         return [n * eff.optimizer_tensor + p * eff.optimizer_param
                 for n, p in zip(owned, params, strict=True)]
 
@@ -410,7 +416,8 @@ def dp_exposed(stage: Stage, combo: Combo, z: int) -> float:
 def finish(stage: Stage, combo: Combo, z: int) -> tuple[float, float]:
     """(step time in seconds, peak bytes per GPU) of one complete candidate."""
     env = stage.fam.env
-    step = combo.core + dp_exposed(stage, combo, z) + stage.opt[z]
+    # + the training loop's own host work per step (data, checks, loss summary), as calibrated.
+    step = combo.core + dp_exposed(stage, combo, z) + stage.opt[z] + env.eff.step_overhead
     sf, sl = stage.state_first[z], stage.state_last[z]
     extra = stage.buffers[z] + env.reserve
     mem = max(sf[0] + sf[1] + sf[2] + combo.act_first, sl[0] + sl[1] + sl[2] + combo.act_last) + extra

@@ -91,6 +91,9 @@ class HardwareProfile:
     fsdp_unit: Sequence[tuple[float, float]] = ()
     ddp_step: Sequence[tuple[float, float]] = ()
     concurrency: float = 1.0
+    # Seconds per step of the engine's training loop outside forward + backward, the DP reduction and the
+    # optimizer step (data, integrity checks, loss summary; training/calibration/engine.py). 0: not measured.
+    step_overhead_s: float = 0.0
     meta: Mapping[str, Any] = field(default_factory=dict)  # device name, threads, seconds taken
 
     @property
@@ -116,6 +119,7 @@ class HardwareProfile:
             "fsdp_unit": [list(p) for p in self.fsdp_unit],
             "ddp_step": [list(p) for p in self.ddp_step],
             "concurrency": self.concurrency,
+            "step_overhead_s": self.step_overhead_s,
             "meta": dict(self.meta),
         }
 
@@ -143,7 +147,9 @@ class HardwareProfile:
                 optimizer_param_s=float(doc.get("optimizer_param_s", 0.0)),
                 collectives=coll, ranks=int(doc.get("ranks", 2)), backend=str(doc.get("backend", "")),
                 tp_linear=engine["tp_linear"], fsdp_unit=engine["fsdp_unit"], ddp_step=engine["ddp_step"],
-                concurrency=max(1.0, float(doc.get("concurrency", 1.0))), meta=dict(doc.get("meta", {})),
+                concurrency=max(1.0, float(doc.get("concurrency", 1.0))),
+                step_overhead_s=max(0.0, float(doc.get("step_overhead_s", 0.0))),
+                meta=dict(doc.get("meta", {})),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"profile: malformed hardware profile ({e})") from e
@@ -234,6 +240,7 @@ class Efficiency:
         self.op_overhead = profile.op_overhead_s if profile is not None else 0.0
         self.optimizer_tensor = profile.optimizer_tensor_s if profile is not None else 0.0
         self.optimizer_param = profile.optimizer_param_s if profile is not None else 0.0
+        self.step_overhead = profile.step_overhead_s if profile is not None else 0.0
         self.peak = gpu.peak_flops
         self.hbm_bw = profile.memory_bw if profile is not None and profile.memory_bw > 0 else gpu.hbm_bw
         family = next((k for k in _DATACENTER if gpu.name.upper().startswith(k)), None)

@@ -79,7 +79,8 @@ def ep_all_to_all_bytes_per_layer(tokens: float, top_k: int, h: int, ep: int, ac
 
 
 def model_state_bytes(
-    params: float, zero_stage: int, dp: int, bytes_per_param: tuple[int, int, int], fsdp2: bool = False
+    params: float, zero_stage: int, dp: int, bytes_per_param: tuple[int, int, int], fsdp2: bool = False,
+    shadow: bool = False,
 ) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per GPU for `params` parameters on this GPU before DP sharding.
 
@@ -91,7 +92,9 @@ def model_state_bytes(
     their fp32 dtype (under mixed precision they are the master weights, so the optimizer holds only
     the moments), gradients are reduce-scattered into fp32 shards, and stage 2 (reshard_after_forward
     =False) also holds the gathered parameters, in the compute dtype, from forward to backward.
-    Measured per rank by training.parallel.memory (tests/training/test_memory_accounting.py).
+    `shadow`: stage 1 with shadow shards (training.parallel.zero): a second shard of the optimizer
+    state, its DP successor's. Measured per rank by training.parallel.memory
+    (tests/training/test_memory_accounting.py).
     """
     bp, bg, bo = bytes_per_param
     if fsdp2 and zero_stage >= 2 and dp > 1:
@@ -101,6 +104,8 @@ def model_state_bytes(
     p = bp * params / (dp if zero_stage >= 3 else 1)
     g = bg * params / (dp if zero_stage >= 2 else 1)
     o = bo * params / (dp if zero_stage >= 1 else 1)
+    if shadow and zero_stage == 1 and dp > 1:
+        o *= 2
     return p, g, o
 
 

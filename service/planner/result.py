@@ -12,7 +12,8 @@ from training.config.layout import Layout
 GiB = 1024**3
 
 # Time components of a step, in the order they are reported.
-TIME_PARTS = ("compute", "recompute", "tp", "cp", "ep", "pp_p2p", "bubble", "dp_exposed", "optimizer")
+TIME_PARTS = ("compute", "recompute", "tp", "cp", "ep", "pp_p2p", "bubble", "dp_exposed", "optimizer",
+              "overhead")
 _PART_WORDS = {
     "compute": "more compute per GPU",
     "recompute": "recomputation",
@@ -23,6 +24,7 @@ _PART_WORDS = {
     "bubble": "a larger pipeline bubble",
     "dp_exposed": "exposed data-parallel traffic",
     "optimizer": "a larger optimizer step",
+    "overhead": "the training loop's own work per step",
 }
 
 
@@ -83,6 +85,7 @@ def build_detail(stage: Stage, micro: Micro, combo: Combo, z: int, layout: Layou
         "bubble": combo.core - m * combo.t_mb,
         "dp_exposed": dp_exposed(stage, combo, z),
         "optimizer": stage.opt[z],
+        "overhead": env.eff.step_overhead,  # data, checks, loss summary (costmodel.finish)
     }
     comm = {
         "tp": m * layers * micro.tp_bytes,

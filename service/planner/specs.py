@@ -53,6 +53,9 @@ class TrainSpec:
     # "unfused" (QK^T, softmax and AV as separate kernels: Megatron-LM before FlashAttention, for
     # predicting published runs of that era; docs/planner.md "Efficiency curves").
     attention: str = "flash"
+    # ZeRO-1 shadow shards (fault_tolerance.shadow_optimizer, training.parallel.zero): each rank also
+    # holds its DP successor's optimizer shard; the engine keeps them in fp32 runs only.
+    shadow_optimizer: bool = False
 
     def __post_init__(self) -> None:
         _check_int("train.global_batch", self.global_batch, 1, 1 << 24)

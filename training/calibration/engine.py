@@ -17,6 +17,11 @@ and two ranks computing at once on one host. So these are timed as the engine is
   + backward + the final wait, minus the model alone; over gradient bytes.
 - `concurrency`: time of a matmul when every rank runs one at once over the time when one rank runs
   it alone (shared cores, caches and memory bandwidth, and whatever else the host runs).
+- `step_overhead_s`: seconds per step of the engine's training loop (training/train.py) beyond its
+  forward + backward, DP reduction and optimizer phases: the data, integrity and loss-summary phases
+  (the summary's all-gather over the world and its read-back) and the loop's own checks, from the
+  ranks' phase timers over a few steps of the real Trainer on a 2-block model (per step, not per
+  micro-batch: each of those phases runs once a step).
 
 Each cost is the median over repeats of (mean time of a loop with the parallel code - mean time of
 the same loop without), the two timed in turn (a step adds up means, not medians).
@@ -165,6 +170,42 @@ def measure_concurrency(rank: int, repeats: int, size: int = 256) -> float:
     return float(ratio.item())
 
 
+OVERHEAD_STEPS = (3, 9)  # (warm-up, timed) steps of the real training loop
+
+
+def measure_step_overhead(rank: int, world: int, steps: tuple[int, int] = OVERHEAD_STEPS) -> float:
+    """Median seconds per step of the training loop outside its compute, dp_sync and optimizer phases
+    (what the cost model times separately), on a DP `world` run of a 2-block model of hidden 128,
+    micro-batch 4; the fingerprint comparison is off (not every layout has it). Rank 0's figure is
+    broadcast: it is the rank whose step time a run reports."""
+    import torch.distributed as dist
+
+    from training.config.layout import Layout
+    from training.config.run import IntegrityConfig, RunConfig
+    from training.config.spec import ModelSpec
+    from training.hooks import StepInfo, TrainHooks
+    from training.parallel.dist import DistContext
+    from training.train import train
+
+    warmup, timed = steps
+    spec = ModelSpec(layers=2, hidden=MODEL_HIDDEN, heads=4, kv_heads=2, vocab=256, seq_len=64,
+                     name="calibration")
+    cfg = RunConfig(model=spec, layout=Layout(dp=world, micro_batch_size=4, num_microbatches=1),
+                    steps=warmup + timed, integrity=IntegrityConfig(fingerprint_every=0))
+    rest: list[float] = []
+
+    class Collect(TrainHooks):
+        def on_step(self, info: StepInfo) -> None:
+            modelled = sum(info.phases.get(k, 0.0) for k in ("compute", "dp_sync", "optimizer"))
+            if info.step > warmup:
+                rest.append(max(0.0, info.step_time_s - modelled))
+
+    train(DistContext(rank, world, torch.device("cpu"), "gloo"), cfg, Collect(), resume=False)
+    value = torch.tensor([statistics.median(rest) if rest else 0.0], dtype=torch.float64)
+    dist.broadcast(value, 0)
+    return float(value.item())
+
+
 def engine_rank(rank: int, world: int, repeats: int, points: int = 2) -> dict[str, Any]:
     """The measurements on one of `world` gloo ranks, TP at its first `points` sizes (at least 5 repeats:
     a median of 5 differences survives two bursts of the host's other load)."""
@@ -174,4 +215,5 @@ def engine_rank(rank: int, world: int, repeats: int, points: int = 2) -> dict[st
         "tp_linear": measure_tp_linear(world, repeats, TP_TOKENS[:points]),
         "fsdp_unit": measure_fsdp_unit(world, repeats),
         "ddp_step": measure_ddp_step(repeats),
+        "step_overhead_s": measure_step_overhead(rank, world),
     }

@@ -36,6 +36,9 @@ class Grid:
     message_bytes: Sequence[int] = (4 << 10, 256 << 10, 4 << 20)
     copy_bytes: int = 64 << 20
     repeats: int = 3
+    # A call shorter than this many seconds / repeats is timed more often (up to SHORT_REPEATS x
+    # repeats): at the demo's sizes the medians of 3 moved predictions by +-15% between calibrations.
+    short_budget_s: float = 0.06
     collectives: bool = True
     engine_points: int = 2  # with the collectives on CPU: sizes of the engine's TP / FSDP2 costs (engine.py)
 
@@ -44,15 +47,25 @@ class Grid:
         """A reduced grid for tests (a second or two without collectives)."""
         return cls(matmul_sizes=(32, 64, 128), attention_seqs=(64, 128), head_dims=(32,),
                    message_bytes=(4 << 10, 64 << 10), copy_bytes=4 << 20, repeats=2,
-                   engine_points=1)  # fmt: skip
+                   short_budget_s=0.0, engine_points=1)  # fmt: skip
 
 
-def _best_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+SHORT_REPEATS = 5  # at most this many times the grid's repeats for a short call
+
+
+def _best_time(fn: Callable[[], Any], device: torch.device, repeats: int, budget_s: float = 0.0) -> float:
     """Median seconds of `repeats` timed calls after one warm-up: on a shared host the median is what a
-    rank gets; the minimum would keep only the quiet moments."""
+    rank gets; the minimum would keep only the quiet moments. With `budget_s`, a call whose warm-up
+    took less than `budget_s / repeats` is timed as often as fits in `budget_s` (at most SHORT_REPEATS x
+    `repeats`): a median of more short timings moves less between calibrations."""
+    t0 = time.perf_counter()
     fn()  # warm-up (allocations, kernel selection)
+    warm = time.perf_counter() - t0
+    n = max(1, repeats)
+    if budget_s > 0:
+        n = max(n, min(SHORT_REPEATS * n, int(budget_s / max(warm, 1e-6))))
     times = []
-    for _ in range(max(1, repeats)):
+    for _ in range(n):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -83,7 +96,8 @@ def measure_matmul(grid: Grid, device: torch.device) -> dict[str, list[list[floa
             b = torch.randn(k, n, generator=gen).to(device=device, dtype=dtype)
             # Enough matmuls per timing to last ~1 ms on a fast device.
             inner = max(1, min(64, int(2e9 / (2.0 * m * n * k) if device.type == "cuda" else 1)))
-            t = _best_time(lambda a=a, b=b, inner=inner: [a @ b for _ in range(inner)], device, grid.repeats)
+            t = _best_time(lambda a=a, b=b, inner=inner: [a @ b for _ in range(inner)], device, grid.repeats,
+                           grid.short_budget_s)
             pts.append([m, n, k, 2.0 * m * n * k * inner / t])
         out[name] = pts
     return out
@@ -103,7 +117,7 @@ def measure_attention(grid: Grid, device: torch.device, dtype: torch.dtype) -> l
             def step(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> None:
                 F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-            t = _best_time(step, device, grid.repeats)
+            t = _best_time(step, device, grid.repeats, grid.short_budget_s)
             pts.append([s, hd, 6.0 * s * s * hd * heads / t])
     return pts
 
@@ -165,7 +179,7 @@ def measure_collectives(grid: Grid, world: int = 2, timeout_s: float = 120.0) ->
         raise RuntimeError(f"calibration: {e}") from e
 
 
-def measure_op_overhead(device: torch.device, repeats: int, ops: int = 64) -> float:
+def measure_op_overhead(device: torch.device, repeats: int, ops: int = 64, budget_s: float = 0.0) -> float:
     """Seconds of fixed cost per op forward + backward (dispatch, autograd, launch) on a tensor too
     small for its arithmetic to count."""
     x = torch.ones(8, device=device, requires_grad=True)
@@ -176,10 +190,10 @@ def measure_op_overhead(device: torch.device, repeats: int, ops: int = 64) -> fl
             y = y * 1.0001
         y.sum().backward()
 
-    return _best_time(chain, device, repeats) / ops
+    return _best_time(chain, device, repeats, budget_s) / ops
 
 
-def measure_optimizer(device: torch.device, repeats: int) -> tuple[float, float]:
+def measure_optimizer(device: torch.device, repeats: int, budget_s: float = 0.0) -> tuple[float, float]:
     """(seconds per parameter tensor, seconds per parameter) of the engine's optimizer step (global-norm
     clip + AdamW + zero_grad) as it runs here: the fixed part from the slope between 16 and 64 tiny
     tensors, the per-element part from 4 tensors of 2^18. Where no fused kernel applies (CPU), AdamW
@@ -201,7 +215,7 @@ def measure_optimizer(device: torch.device, repeats: int) -> tuple[float, float]
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        return _best_time(step, device, repeats)
+        return _best_time(step, device, repeats, budget_s)
 
     per_tensor = max(0.0, (per_step(64, 64) - per_step(16, 64)) / 48)
     big = 1 << 18
@@ -232,10 +246,11 @@ def calibrate(node_type: str, grid: Grid | None = None) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "node_type": node_type, "version": 0, "compute_dtype": compute_dtype, "matmul": matmul,
             "attention": measure_attention(grid, device, dtype), "memory_bw": measure_memory_bw(grid, device),
-            "op_overhead_s": measure_op_overhead(device, grid.repeats),
+            "op_overhead_s": measure_op_overhead(device, grid.repeats, budget_s=grid.short_budget_s),
             "collectives": {}, "ranks": 2, "backend": "",
         }  # fmt: skip
-        doc["optimizer_tensor_s"], doc["optimizer_param_s"] = measure_optimizer(device, grid.repeats)
+        optimizer = measure_optimizer(device, grid.repeats, grid.short_budget_s)
+        doc["optimizer_tensor_s"], doc["optimizer_param_s"] = optimizer
         threads = torch.get_num_threads()
         # The timings above are medians of short calls that mostly fit between other processes' time
         # slices; a training step lasts many slices and gets the CPU share the host leaves it: wall
@@ -250,7 +265,8 @@ def calibrate(node_type: str, grid: Grid | None = None) -> dict[str, Any]:
     if grid.collectives and (device.type == "cpu" or torch.cuda.device_count() >= 2):
         coll = measure_collectives(grid)
         doc["collectives"], doc["backend"] = coll["collectives"], coll["backend"]
-        doc.update(coll.get("engine", {}))  # tp_linear, fsdp_unit, ddp_step, concurrency (engine.py)
+        # tp_linear, fsdp_unit, ddp_step, concurrency, step_overhead_s (engine.py)
+        doc.update(coll.get("engine", {}))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     doc["meta"] = {"device": device_name, "threads": threads, "cores": os.cpu_count() or 1,
                    "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 3),
