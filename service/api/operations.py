@@ -83,6 +83,7 @@ def plan_job(spec: JobSpec, settings: Settings, profile: HardwareProfile | None 
         train = TrainSpec(
             global_batch=spec.train.global_batch, seq_len=model.seq_len,
             precision=spec.train.precision or default_precision(cluster.gpu_type),
+            shadow_optimizer=spec.fault_tolerance.shadow_optimizer,
         )
         result = plan_layout(model, train, cluster, given, gpus_from=gpus_from)
     except (PlannerError, ValueError) as e:

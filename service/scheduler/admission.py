@@ -185,7 +185,8 @@ def plan_for_live_cluster(spec_doc: Mapping[str, Any], plan: Mapping[str, Any] |
             nodes_per_rack=max(1, per_rack), profile=profile,
         )
         train = TrainSpec(global_batch=spec.train.global_batch, seq_len=model.seq_len,
-                          precision=spec.train.precision or default_precision(cluster.gpu_type))
+                          precision=spec.train.precision or default_precision(cluster.gpu_type),
+                          shadow_optimizer=spec.fault_tolerance.shadow_optimizer)
         return plan_layout(model, train, cluster, given), None
     except (PlannerError, ValueError) as e:
         return None, f"no feasible plan for the live cluster ({settings.gpu_type}): {e}"

@@ -22,6 +22,7 @@ SPEC_PP = ModelSpec(layers=4, hidden=64, heads=4, kv_heads=2, vocab=96, seq_len=
 LAYOUTS = {
     "dp": (SPEC, {"dp": 2}),
     "zero1": (SPEC, {"dp": 2, "zero_stage": 1}),
+    "zero1_shadow": (SPEC, {"dp": 2, "zero_stage": 1}),  # + fault_tolerance.shadow_optimizer
     "zero2": (SPEC, {"dp": 2, "zero_stage": 2}),
     "zero3": (SPEC, {"dp": 2, "zero_stage": 3}),
     "tp_sp": (SPEC, {"tp": 2, "sequence_parallel": True}),
@@ -29,7 +30,8 @@ LAYOUTS = {
 }
 PRECISIONS = ("fp32", "bf16_fp32_adam")
 RECOMPUTE = ("none", "selective", "full")
-FAST = [("dp", "bf16_fp32_adam", "none"), ("zero1", "fp32", "selective"), ("zero2", "bf16_fp32_adam", "none"),
+FAST = [("dp", "bf16_fp32_adam", "none"), ("zero1", "fp32", "selective"), ("zero1_shadow", "fp32", "none"),
+        ("zero2", "bf16_fp32_adam", "none"),
         ("zero3", "bf16_fp32_adam", "full"), ("tp_sp", "bf16_fp32_adam", "none"), ("pp", "fp32", "none")]
 ALL = [(n, p, r) for n in LAYOUTS for p in PRECISIONS for r in RECOMPUTE]
 
@@ -44,7 +46,8 @@ def _measure(ctx, case: tuple[str, str, str]) -> dict:
 
     name, precision, recompute = case
     spec, layout = _layout(name, recompute)
-    trainer = Trainer(ctx, RunConfig(model=spec, layout=layout, steps=2, precision=precision))
+    trainer = Trainer(ctx, RunConfig(model=spec, layout=layout, steps=2, precision=precision,
+                                     shadow_optimizer=name.endswith("_shadow")))
     for step in (1, 2):  # a pipeline is measured on its second step
         trainer.train_step(step)
     assert trainer.memory is not None
@@ -76,7 +79,8 @@ def _worker(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict:
 def _plan_terms(case: tuple[str, str, str]) -> dict[str, float]:
     name, precision, recompute = case
     spec, layout = _layout(name, recompute)
-    train = TrainSpec(global_batch=layout.global_batch, seq_len=spec.seq_len, precision=precision)
+    train = TrainSpec(global_batch=layout.global_batch, seq_len=spec.seq_len, precision=precision,
+                      shadow_optimizer=name.endswith("_shadow"))
     memory = dict(evaluate(spec, train, ClusterSpec("cpu-virtual", 2), layout).memory_per_gpu_bytes)
     if recompute == "full":
         # The block recomputed during backward lives inside torch.utils.checkpoint, whose own

@@ -73,13 +73,16 @@ def grad_bytes(parts: Sequence[nn.Module]) -> int:
 
 
 def optimizer_bytes(optimizers: Sequence[Any]) -> int:
-    """The optimizer state (AdamW's moments, ZeRO-1: this rank's shard) and fp32 masters."""
+    """The optimizer state (AdamW's moments, ZeRO-1: this rank's shard and its shadow of the next
+    rank's, if kept) and fp32 masters."""
     tensors: list[torch.Tensor] = []
     for opt in optimizers:
-        inner = opt
+        inner, held = opt, []
         while getattr(inner, "inner", None) is not None:  # mixed precision -> ZeRO-1 -> AdamW
+            if getattr(inner, "shadow", None) is not None:
+                held.append(inner.shadow)
             inner = inner.inner
-        for state in inner.state.values():
+        for state in (s for o in (inner, *held) for s in o.state.values()):
             tensors.extend(v for v in state.values() if torch.is_tensor(v))
     for masters in master_weights_of(optimizers):
         tensors.extend(masters.masters)
