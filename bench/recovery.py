@@ -40,19 +40,20 @@ from training.config.spec import ModelSpec
 SPEC = ModelSpec(layers=2, hidden=64, heads=4, vocab=256, seq_len=32)
 
 
-def _cfg(ckpt: str, steps: int, every: int, dp: int = 2) -> RunConfig:
-    return RunConfig(model=SPEC, layout=Layout(dp=dp, micro_batch_size=2), steps=steps,
-                     checkpoint=CheckpointConfig(dir=ckpt, every_steps=every))
+def _cfg(ckpt: str, steps: int, every: int, dp: int = 2, zero: int = 0) -> RunConfig:
+    # ZeRO-1 runs keep shadow shards (fault_tolerance.shadow_optimizer): their peer path needs them.
+    return RunConfig(model=SPEC, layout=Layout(dp=dp, micro_batch_size=2, zero_stage=zero), steps=steps,
+                     checkpoint=CheckpointConfig(dir=ckpt, every_steps=every), shadow_optimizer=zero == 1)
 
 
 def run_lattice(steps: int, every: int, kill_at: int, root: str, *, name: str, dp: int = 2, fast: bool = True,
-                peer: bool = True, spares: int = 0) -> dict[str, Any]:
+                peer: bool = True, spares: int = 0, zero: int = 0) -> dict[str, Any]:
     import ray
 
     from workers.controller import ControllerOptions, kill_controller, start_controller
 
     job = f"bench-recovery-{name}"
-    cfg = _cfg(os.path.join(root, job), steps, every, dp)
+    cfg = _cfg(os.path.join(root, job), steps, every, dp, zero)
     kill = {"kind": "kill_rank", "rank": dp - 1, "at_step": kill_at}
     opts = ControllerOptions(poll_interval_s=0.1, fast_path=fast, peer_recovery=peer, spares=spares,
                              hang_timeout_s=30.0, faults=() if spares else (kill,))
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
                                      cpus_per_node=2)
     rows: list[tuple[str, dict[str, Any]]] = []
     dp1: list[tuple[str, dict[str, Any]]] = []
+    zero1: list[tuple[str, dict[str, Any]]] = []
     try:
         run = functools.partial(run_lattice, a.steps, a.every, a.kill_at, root)
         rows.append(("Lattice peer path + spare", run(name="peer-spare", spares=1)))
@@ -173,6 +175,9 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(("Lattice fast path (ckpt)", run(name="fast", peer=False)))
         rows.append(("Lattice full restart", run(name="full", fast=False)))
         dp1.append(("Lattice DP 1 + spare", run(name="dp1-spare", dp=1, spares=1)))
+        zero1.append(("Lattice peer path + spare", run(name="zero1-peer-spare", spares=1, zero=1)))
+        zero1.append(("Lattice peer path", run(name="zero1-peer", zero=1)))
+        zero1.append(("Lattice fast path (ckpt)", run(name="zero1-fast", peer=False, zero=1)))
         if not a.skip_ray_train:
             rows.append(("Ray Train TorchTrainer", run_ray_train(a.steps, a.every, a.kill_at, root)))
             dp1.append(("Ray Train DP 1", run_ray_train(a.steps, a.every, a.kill_at, root, dp=1)))
@@ -181,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# bench.recovery — {machine()}")
     print(f"tiny GPT ({SPEC.layers}x{SPEC.hidden}), {a.steps} steps, checkpoint every {a.every}, "
           f"the last rank SIGKILLed after step {a.kill_at}\n")
-    for title, table in (("DP 2", rows), ("DP 1 (no peer)", dp1)):
+    for title, table in (("DP 2", rows), ("DP 1 (no peer)", dp1), ("DP 2, ZeRO-1 with shadow shards", zero1)):
         print(f"{title}\n{'system':28s} {'path':>6s} {'spare':>6s} {'kill -> first step (s)':>23s} "
               f"{'steps lost':>11s} {'restored':>9s}")
         for name, r in table:
@@ -196,6 +201,8 @@ def main(argv: list[str] | None = None) -> None:
               + (" (target <= 0.25, 0 steps lost)" if name.startswith("Lattice peer") else ""))
     dp1_ratio = dp1[0][1]["kill_to_step_s"] / ray1_s
     print(f"ratio Lattice DP 1 + spare / Ray Train DP 1: {dp1_ratio:.2f} (target <= 0.4)")
+    for name, r in zero1:
+        print(f"ratio ZeRO-1 {name} / Ray Train (DDP): {r['kill_to_step_s'] / ray_s:.2f}")
 
 
 if __name__ == "__main__":
