@@ -124,7 +124,26 @@ class JobSpec(StrictModel):
             self.model_spec()  # an unknown preset is a validation error naming model.preset
         # A (partial) layout is checked against the model and the cluster by the planner when the job
         # is planned (service.planner.fill.plan_layout): a refusal there names the nearest layout.
+        self._check_shadow_optimizer()
         return self
+
+    def _check_shadow_optimizer(self) -> None:
+        """Shadow shards cover ZeRO-1 fp32 runs without CP or EP (RunConfig.peer_recovery_blocker): a
+        spec that rules that out is refused rather than silently run unprotected. Fields left to the
+        planner stay open (a plan that picks another ZeRO stage keeps no shadow, and says so)."""
+        if not self.fault_tolerance.shadow_optimizer:
+            return
+        given = self.layout_given() or {}
+        wrong = [f"parallelism.{k} is {given[k]}" for k, need in (("zero_stage", 1), ("cp", 1), ("ep", 1))
+                 if given.get(k) not in (None, need)]
+        if self.train.precision not in (None, "fp32"):
+            wrong.append(f"train.precision is {self.train.precision}")
+        if wrong:
+            raise ValueError(
+                "fault_tolerance.shadow_optimizer keeps ZeRO-1 optimizer shards of fp32 runs without "
+                "context or expert parallelism (parallelism.zero_stage 1, cp 1, ep 1, train.precision "
+                f"fp32), but {', '.join(wrong)}"
+            )
 
     @field_validator("faults")
     @classmethod

@@ -193,8 +193,9 @@ class FaultTolerancePolicy(StrictModel):
         False, description="ZeRO-1: each rank also keeps and steps its DP successor's optimizer shard, so "
         "a lost rank comes back from its peers (its shard, parameters and data position) with no step "
         "lost instead of from the checkpoint. Costs 1/DP more optimizer state memory and optimizer step "
-        "time per rank; fp32 runs without context or expert parallelism; ZeRO-2/3 (FSDP) keep the "
-        "checkpoint path (docs/fault_tolerance.md)."
+        "time per rank; fp32 runs without context or expert parallelism (a spec that gives another "
+        "zero_stage, cp or ep > 1, or bf16 is refused); ZeRO-2/3 (FSDP) keep the checkpoint path "
+        "(docs/fault_tolerance.md)."
     )
     elastic: bool = Field(
         False, description="Shrink to a smaller DP when capacity is lost and grow back when it returns, "
