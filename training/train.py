@@ -22,7 +22,8 @@ cannot attribute (two replicas disagreeing) is re-run from the pre-step snapshot
 replica that does not reproduce (training.integrity.attribution).
 
 A step whose checks all passed (with a replica comparison where replicas exist) is *verified*
-(`hooks.on_verified`); a restart restores only the checkpoints in `hooks.restore_steps`.
+(`hooks.on_verified`, and `integrity.json` in its checkpoint); a restart restores only the
+checkpoints in `hooks.restore_steps` or saved verified (the report may die with its rank).
 
 Step numbers count completed optimizer steps: step s (1-based) consumes the data of step s, and
 a checkpoint of step s resumes at step s + 1.
@@ -41,6 +42,7 @@ from torch import nn
 
 from training.checkpoint import peer
 from training.checkpoint.checkpointer import Checkpointer, CheckpointInfo
+from training.checkpoint.manifest import INTEGRITY, vouched_steps
 from training.config.arithmetic import mfu, model_flops_per_token
 from training.config.run import RunConfig
 from training.config.validate import check_layout_for_model
@@ -119,6 +121,7 @@ class Trainer:
         self.last_vote: FingerprintVote | None = None
         self.pending_vote: FingerprintVote | None = None
         self.fingerprint_ran = False
+        self.verified_step: int | None = None  # the last step whose integrity checks all passed
         self._local_error: IntegrityError | None = None
         self.rerun_local: tuple[float, bool] | None = None  # the local gradient check on a re-run
         self.flops_per_token = flops_per_token or model_flops_per_token(cfg.model)
@@ -139,9 +142,11 @@ class Trainer:
         if not root:
             return None
         allowed = self.hooks.restore_steps
+        if allowed is not None:  # and those the ranks vouched for in the checkpoint itself
+            allowed = set(allowed) | vouched_steps(root)
         with masters_in_place(self.optimizers):
             loaded = self.checkpointer.load_latest(root, list(self.parts), self.optimizers,
-                                                   allowed_steps=None if allowed is None else set(allowed))
+                                                   allowed_steps=allowed)
         if loaded is None:
             return None
         step, extra = loaded
@@ -164,7 +169,8 @@ class Trainer:
                                           {"data": self.data.state_dict()}, keep=c.keep,
                                           async_save=c.async_save,
                                           describe={"model.json": self.cfg.model.to_dict(),
-                                                    "layout.json": self.cfg.layout.to_dict()})
+                                                    "layout.json": self.cfg.layout.to_dict(),
+                                                    INTEGRITY: {"verified": self.verified_step == self.step}})
         if info.committed:
             done.append(info)
         return done
@@ -438,5 +444,6 @@ def _agree_on_step(trainer: Trainer, hooks: TrainHooks, step: int, action: Actio
         reaction = hooks.on_integrity_error(shared) or Action.STOP
         want_stop = want_stop or _agree([reaction != Action.CONTINUE], device)[0]
     elif trainer.fingerprint_ran or not trainer.replicas_comparable:
+        trainer.verified_step = step  # also written into this step's checkpoint
         hooks.on_verified(step)
     return want_ckpt, want_stop

@@ -10,6 +10,7 @@ filesystem for several)::
         rng/rank-0.pt ...   each rank's RNG states (torch CPU + CUDA, python `random`, numpy if present)
         meta.json           format, step, world size, time, and the caller's `extra` (data position)
         model.json          the ModelSpec (``describe``), layout.json the Layout it was saved from
+        integrity.json      whether the step's integrity checks had passed (``describe``)
         manifest.json       sha256 + size of every other file; written last
       step-50.tmp/          a save in progress, or one that crashed: ignored by list and load
       step-30.trash/        being deleted (pruned or replaced): ignored

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 META = "meta.json"
+INTEGRITY = "integrity.json"  # {"verified": bool}: the step's integrity checks had passed
 RNG_DIR = "rng"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _LEFTOVER_DIR = re.compile(r"^step-\d+\.(tmp|trash)$")
@@ -99,6 +100,21 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[int]:
         return []
     steps = [int(m.group(1)) for p in base.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
     return sorted(steps)
+
+
+def vouched_steps(root: str | os.PathLike[str]) -> set[int]:
+    """Committed checkpoints whose step's integrity checks had passed when they were saved
+    (``INTEGRITY``, covered by the manifest): the record that survives when the ranks' own
+    "verified" reports die with them before anyone reads them."""
+    out = set()
+    for step in list_checkpoints(root):
+        try:
+            doc = json.loads((step_path(Path(root), step) / INTEGRITY).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and doc.get("verified") is True:
+            out.add(step)
+    return out
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> Manifest:

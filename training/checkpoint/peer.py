@@ -134,7 +134,9 @@ def capture(trainer: Any) -> KeptState:
     shadow = kept_slots(_slots(trainer, shadow=True)) if shadowed else []
     with masters_in_place(trainer.optimizers):  # a bf16 run keeps its fp32 masters, not the copies
         values = [_local(p).detach() for p in params]
-    return KeptState(trainer.step, values, optim, dict(trainer.data.state_dict()), shadow)
+    # The data position of the kept step: a rank failing inside the next step has read its batch.
+    data = trainer.data.state_dict(after_step=trainer.step)
+    return KeptState(trainer.step, values, optim, data, shadow)
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -138,9 +138,14 @@ class DataSource(ABC):
     def samples_consumed(self) -> int:
         return self._base_sample + (self._next_step - self._base_step) * self.global_batch
 
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-able data position: resume with ``load_state_dict`` to see exactly the next samples."""
-        consumed = self.samples_consumed
+    def state_dict(self, after_step: int | None = None) -> dict[str, Any]:
+        """JSON-able data position: resume with ``load_state_dict`` to see exactly the next samples.
+        `after_step`: the position once step `after_step` is done, although a later step's batch may
+        have been read already (a rank that fails inside a step keeps the state of the step before)."""
+        next_step = self._next_step if after_step is None else after_step + 1
+        if next_step < self._base_step:
+            raise DataError(f"step {after_step} precedes the resumed data position (step {self._base_step})")
+        consumed = self._base_sample + (next_step - self._base_step) * self.global_batch
         return {
             "version": STATE_VERSION,
             "kind": self.kind,
@@ -148,7 +153,7 @@ class DataSource(ABC):
             "seq_len": self.seq_len,
             "fingerprint": self.fingerprint(),
             "global_batch": self.global_batch,
-            "next_step": self._next_step,
+            "next_step": next_step,
             "samples_consumed": consumed,
             "epoch": self.epoch_of(consumed),
         }

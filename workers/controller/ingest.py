@@ -175,6 +175,8 @@ def _on_checkpoint(c: Controller, rank: int, ev: Mapping[str, Any], world: int) 
 def _on_restored(c: Controller, step: Any, source: str = "checkpoint") -> None:
     c.attempt.restored_seen = True
     restored = int(step) if isinstance(step, int) else 0
+    if source == "checkpoint" and restored:  # ranks restore only checkpoints verified or saved verified
+        c.scrubber.ledger.mark_verified(restored)
     reached = c.recovery.reached
     books = c.books
     dropped = books.data.rollback(restored)
