@@ -39,6 +39,7 @@ from service.planner.formulas import (
 )
 from service.planner.hardware import GpuType
 from service.planner.specs import ClusterSpec, TrainSpec
+from training.config.run import shadow_conflicts
 from training.config.spec import ModelSpec
 
 # Communication overlapped with compute is not free: collective kernels occupy SMs and HBM bandwidth
@@ -175,9 +176,10 @@ class Family:
         self.emb = c.embed / tp
         # A tied head is a second copy of the embedding when it lives on another pipeline rank.
         self.head = (c.head if c.head else (c.embed if pp > 1 else 0)) / tp + c.final_norm
-        # ZeRO-1 shadow shards, where the engine keeps them (RunConfig.peer_recovery_blocker: fp32, no CP/EP).
+        # ZeRO-1 shadow shards where the engine keeps them (fp32, no CP/EP; used at ZeRO-1 only).
         t = env.train
-        self.shadowed = t.shadow_optimizer and t.precision == "fp32" and cp == 1 and ep == 1 and self.d > 1
+        self.shadowed = (t.shadow_optimizer and self.d > 1
+                         and not shadow_conflicts(precision=t.precision, cp=cp, ep=ep))
 
     def key(self) -> tuple[int, int, int, int, int]:
         return (self.tp, self.cp, self.pp, self.dp, self.ep)

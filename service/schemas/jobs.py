@@ -21,6 +21,7 @@ from training.config.run import (
     OptimConfig,
     RunConfig,
     ValidationConfig,
+    shadow_conflicts,
 )
 from training.config.spec import ModelSpec
 from workers.faults import FaultError, normalize_fault
@@ -134,10 +135,9 @@ class JobSpec(StrictModel):
         if not self.fault_tolerance.shadow_optimizer:
             return
         given = self.layout_given() or {}
-        wrong = [f"parallelism.{k} is {given[k]}" for k, need in (("zero_stage", 1), ("cp", 1), ("ep", 1))
-                 if given.get(k) not in (None, need)]
-        if self.train.precision not in (None, "fp32"):
-            wrong.append(f"train.precision is {self.train.precision}")
+        conflicts = shadow_conflicts(zero_stage=given.get("zero_stage"), cp=given.get("cp"),
+                                     ep=given.get("ep"), precision=self.train.precision)
+        wrong = [f"{'train' if k == 'precision' else 'parallelism'}.{k} is {v}" for k, v in conflicts.items()]
         if wrong:
             raise ValueError(
                 "fault_tolerance.shadow_optimizer keeps ZeRO-1 optimizer shards of fp32 runs without "

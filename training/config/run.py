@@ -16,6 +16,14 @@ ENGINE_PRECISIONS = ("fp32", "bf16_fp32_adam")
 # torch.compile backends (training.parallel.compile): inductor generates kernels (a C++ compiler on
 # CPU, Triton on CUDA); aot_eager and eager trace without generating code (tests, debugging).
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+# Where ZeRO-1 shadow shards apply (training.parallel.zero): ZeRO-1 fp32 runs without CP or EP. The one
+# statement of the rule: the engine, the planner's cost model and the job spec all ask `shadow_conflicts`.
+SHADOW_NEEDS: dict[str, Any] = {"zero_stage": 1, "precision": "fp32", "cp": 1, "ep": 1}
+
+
+def shadow_conflicts(**settings: Any) -> dict[str, Any]:
+    """The given settings (keys of SHADOW_NEEDS) that rule shadow shards out; None is open."""
+    return {k: v for k, v in settings.items() if v is not None and v != SHADOW_NEEDS[k]}
 
 
 @dataclass(frozen=True)
@@ -138,9 +146,10 @@ class RunConfig:
         if layout.dp * layout.cp == 1:
             return "no DP replica (dp x cp = 1)"
         if layout.zero_stage == 1 and self.shadow_optimizer:
-            if self.precision != "fp32":
+            conflicts = shadow_conflicts(precision=self.precision, cp=layout.cp)
+            if "precision" in conflicts:
                 return f"ZeRO-1 shadow shards cover fp32 runs only, not {self.precision}'s fp32 masters"
-            if layout.cp != 1:
+            if "cp" in conflicts:
                 return "ZeRO-1 shadow shards with context parallelism (cp > 1) are not supported"
         elif layout.zero_stage != 0:
             return (f"ZeRO-{layout.zero_stage} shards the optimizer state: no replica holds a rank's shard"
