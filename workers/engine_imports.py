@@ -17,8 +17,10 @@ log = logging.getLogger(__name__)
 WARM_MODULES = ("torch", "torch.distributed.checkpoint", "training.checkpoint.checkpointer", "training.train")
 
 
-def warm_imports(modules: tuple[str, ...] = WARM_MODULES) -> threading.Thread:
-    """Import `modules` in a background thread (the import lock makes a later import wait for it)."""
+def warm_imports(modules: tuple[str, ...] = WARM_MODULES,
+                 on_done: Callable[[], None] | None = None) -> threading.Thread:
+    """Import `modules` in a background thread (the import lock makes a later import wait for it);
+    `on_done` runs in it once they are all imported (or failed to)."""
 
     def run() -> None:
         for name in modules:
@@ -26,6 +28,8 @@ def warm_imports(modules: tuple[str, ...] = WARM_MODULES) -> threading.Thread:
                 importlib.import_module(name)
             except Exception as e:  # noqa: BLE001 - the real import will report it
                 log.debug("warm import of %s failed: %s", name, e)
+        if on_done is not None:
+            on_done()
 
     thread = threading.Thread(target=run, name="lattice-warm-imports", daemon=True)
     thread.start()

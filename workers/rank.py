@@ -90,8 +90,13 @@ class RankActor:
         self._backend = "gloo"
         self.kept_state: Any = None  # a failed attempt's state for a peer recovery (training.checkpoint.peer)
         self.peer_request: dict[str, Any] | None = None  # this attempt's peer recovery plan, if any
-        warm_imports()  # a replacement rank imports the engine while its peers reset
         self.ready_at = time.time()  # up and imported (a hot spare's age, a replacement's warm-up)
+        # A replacement rank imports the engine while its peers reset; a hot spare is warm only
+        # once this is done (`ready`): seconds of imports otherwise land on the recovery path.
+        self._imports = warm_imports(on_done=self._imported)
+
+    def _imported(self) -> None:
+        self.ready_at = time.time()
 
     # ---- where am I -------------------------------------------------------------------------
     def where(self) -> dict[str, Any]:
@@ -112,6 +117,11 @@ class RankActor:
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
         }
+
+    def ready(self) -> dict[str, Any]:
+        """`where`, once the engine's imports are done (workers.spares counts a spare warm then)."""
+        self._imports.join()
+        return self.where()
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's address and a free port on it, for every rank's init_process_group."""

@@ -333,7 +333,7 @@ class RaySpareBackend:
     def ready(self, handle: Any, timeout_s: float) -> dict[str, Any] | None:
         import ray
 
-        ref = handle.where.remote()
+        ref = handle.ready.remote()  # up and its engine imported
         done, _ = ray.wait([ref], timeout=timeout_s)
         return dict(ray.get(done[0])) if done else None
 

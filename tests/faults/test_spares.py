@@ -134,6 +134,12 @@ def _ray_pool(size: int, bad: set[str]) -> SparePool:
     return SparePool("spares-ray", size, backend, bad_nodes=lambda: bad)
 
 
+def _engine_imported(actor: Any) -> bool:
+    import sys
+
+    return "training.train" in sys.modules and "torch.distributed.checkpoint" in sys.modules
+
+
 @pytest.mark.ray
 def test_real_spares_avoid_unusable_nodes_and_a_used_one_is_replaced(free_cluster: Any) -> None:
     names = [n.name for n in Topology.from_ray(include_dead=False).gpu_nodes]
@@ -148,6 +154,8 @@ def test_real_spares_avoid_unusable_nodes_and_a_used_one_is_replaced(free_cluste
         first = pool.take(node=spares[0]["node"], rack=spares[0]["rack"])
         assert first is not None
         import ray
+
+        assert ray.get(first.__ray_call__.remote(_engine_imported), timeout=30)  # warm = imports done
 
         pid = ray.get(first.where.remote(), timeout=30)["pid"]
         ray.get(first.assign.remote(3, 4, {"pp": 0, "dp": 3, "cp": 0, "tp": 0}), timeout=30)
