@@ -425,12 +425,12 @@ class JobSpares:
         replaced, self.replaced = self.replaced, {}
         seconds = []
         for r, got in replaced.items():
-            warm = got["warm"]
-            if not got["spare"]:
-                try:
-                    warm = float(ray.get(got["actor"].warm_since.remote(), timeout=timeout_s))
-                except Exception as e:  # noqa: BLE001 - a rank that died since has no warm-up time
-                    log.debug("rank %d: no warm-up time: %s", r, e)
+            warm = got["warm"]  # a warm spare's: when it was taken; a fresh actor's, or a spare
+            try:  # taken while still importing: when its imports were done
+                warm = max(warm, float(ray.get(got["actor"].warm_since.remote(), timeout=timeout_s)))
+            except Exception as e:  # noqa: BLE001 - a rank that died since has no warm-up time
+                log.debug("rank %d: no warm-up time: %s", r, e)
+                if not got["spare"]:
                     continue
             seconds.append(max(0.0, warm - got["t0"]))
         if not replaced:
