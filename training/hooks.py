@@ -89,6 +89,11 @@ class TrainHooks:
     def on_checkpoint(self, step: int, path: str, nbytes: int, seconds: float) -> None:
         return None
 
+    def on_gradient_spike(self, error: IntegrityError) -> None:
+        """A gradient-norm check fired and the re-run from the snapshot reproduced it bit for bit on
+        every rank: the data's spike, not corruption; the re-run step stands and training goes on."""
+        return None
+
     def on_integrity_error(self, error: IntegrityError) -> Action | None:
         """Default: raise. Return an Action to keep going (CONTINUE) or stop (STOP) instead."""
         raise error

@@ -55,7 +55,7 @@ from training.integrity.detectors import IntegrityError, LossSpikeDetector, chec
 from training.integrity.digest import full_state, model_digest
 from training.integrity.fingerprint import FingerprintVote, param_fingerprint, summarize_step
 from training.integrity.gradient import attach_gradient_audits, take_gradient_checks
-from training.integrity.rerun import rerun_attribution, shared_error
+from training.integrity.rerun import data_spike, rerun_attribution, shared_error
 from training.model.transformer import Transformer
 from training.parallel.dist import DistContext, peak_flops
 from training.parallel.memory import MemoryAccount, SavedTensorMeter, account, grad_bytes
@@ -440,6 +440,10 @@ def _agree_on_step(trainer: Trainer, hooks: TrainHooks, step: int, action: Actio
         snap = trainer.snapshot
         if snap is not None and snap.step == step:
             shared = rerun_attribution(trainer, step, shared, found)
+            if data_spike(shared, found):  # the re-run step stands (the same on every rank)
+                log.warning("gradient spike reproduced on the re-run, the data's: %s", shared)
+                hooks.on_gradient_spike(shared)
+                return want_ckpt, want_stop
         log.error("integrity check failed: %s", shared)
         reaction = hooks.on_integrity_error(shared) or Action.STOP
         want_stop = want_stop or _agree([reaction != Action.CONTINUE], device)[0]

@@ -39,6 +39,8 @@ class EventKind(enum.StrEnum):
     CHECKPOINT_SAVED = "checkpoint_saved"  # every rank committed its part
     CHECKPOINT_VERIFIED = "checkpoint_verified"  # the committed checkpoint matches its manifest
     FAULT_NOTE = "fault_note"  # a fault carried out differently than asked (no cluster owner)
+    # A gradient check fired and the re-run reproduced it exactly: the data's spike, training went on.
+    GRADIENT_SPIKE = "gradient_spike"
     FAILURE = "failure"  # detection
     ATTRIBUTED = "attributed"  # the ranks / nodes / checkpoint at fault
     STRAGGLER = "straggler"  # a straggler reported without a restart

@@ -52,6 +52,10 @@ def make_hooks(actor: RankActor) -> Any:
             actor.record(EventKind.CHECKPOINT,
                          CheckpointReport(step=step, path=path, bytes=nbytes, seconds=seconds))
 
+        def on_gradient_spike(self, error: Any) -> None:
+            actor.record(EventKind.GRADIENT_SPIKE, {"error_kind": error.kind, "step": error.step, "ranks":
+                                                    list(error.ranks), "evidence": plain(error.evidence)})
+
         def on_integrity_error(self, error: Any) -> Any:
             actor.record(
                 EventKind.INTEGRITY_ERROR,

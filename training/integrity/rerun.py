@@ -86,11 +86,13 @@ def rerun_attribution(
     if votes:
         evidence["votes"] = list(votes.values())
     local_named = sorted({r for kind, _, ranks, _ in found if kind in _LOCAL_KINDS for r in ranks})
-    if local_named and len(local_named) < dist.get_world_size():
-        again = [res["rank"] for res in results if res.get("local", (0.0, False))[1]]
-        culprits.update(local_named)
-        transient = transient and not set(again) & set(local_named)
+    if local_named:
+        again = {res["rank"] for res in results if res.get("local", (0.0, False))[1]}
         evidence["local_rerun"] = {str(res["rank"]): res.get("local", (None,))[0] for res in results}
+        evidence["local_reproduced"] = set(local_named) <= again  # every named rank spiked again
+        if len(local_named) < dist.get_world_size():
+            culprits.update(local_named)
+            transient = transient and not again & set(local_named)
     if not culprits:
         culprits = set(shared.ranks)
     evidence["transient"] = transient
@@ -102,6 +104,20 @@ def rerun_attribution(
     if referee is not None and not transient:
         evidence["referee"] = referee  # the controller asks a spare on a healthy node (workers.referee)
     return IntegrityError(shared.kind, step, sorted(culprits), evidence)
+
+
+# The statistical gradient check re-run from the snapshot: a local norm far above its own history,
+# which the data itself can produce. Reproduced, it is the data's; an exact check (the bucket
+# checksum, ABFT) or a replica vote that reproduces is not.
+STATISTICAL_KINDS = ("grad_norm_spike",)
+
+
+def data_spike(error: IntegrityError, found: list[tuple]) -> bool:
+    """Only the local gradient-norm check fired, and every rank it named spiked again on the re-run
+    from the snapshot (the same on every rank: `error` is `rerun_attribution`'s agreed result)."""
+    ev = error.evidence or {}
+    return (bool(found) and all(kind in STATISTICAL_KINDS for kind, *_ in found)
+            and ev.get("local_reproduced") is True and not ev.get("votes") and "diverged" not in ev)
 
 
 def diverged_again(shared: IntegrityError, found: list[tuple], rerun_loss: float,

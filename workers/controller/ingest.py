@@ -83,6 +83,10 @@ def _read(c: Controller, rank: int, ev: Mapping[str, Any], world: int, now: floa
         step, loss = ev.get("step"), ev.get("loss")
         c.job.progress.update(val_loss=loss, val_step=step)
         c.log.emit(EventKind.VALIDATION, f"validation loss {loss} after step {step}", step=step, loss=loss)
+    elif kind == EventKind.GRADIENT_SPIKE and rank == 0:  # agreed: the same on every rank
+        c.log.emit(EventKind.GRADIENT_SPIKE, f"{ev.get('error_kind')} at step {ev.get('step')} on rank(s) "
+                   f"{ev.get('ranks')} reproduced exactly on the re-run: the data's, not the hardware's; "
+                   "training goes on", **{k: ev.get(k) for k in ("error_kind", "step", "ranks", "evidence")})
     elif kind == EventKind.STARTED and rank == 0:
         c.log.emit(EventKind.RENDEZVOUS, f"process group up ({ev.get('backend')} on {ev.get('device')})",
                    backend=ev.get("backend"), device=ev.get("device"))
