@@ -180,6 +180,23 @@ def test_a_nonfinite_gradient_on_one_rank_is_infrastructure():
     assert wg.reserved.ranks[2].node_name in sm.quarantined_nodes  # a confirmed SDC: at once
 
 
+def test_the_same_sdc_at_the_same_step_after_the_restart_follows_the_job_not_a_node():
+    """A singled-out SDC quarantines its node; the same check at the same step again on the
+    restarted ranks (kept off that node) is the job's: it fails, and no second node is blamed."""
+    sm, wg, _ = to_running()
+    everyone = {r: "failed" for r in range(WORLD)}
+    wg.push(running(WORLD, state=everyone, events=_integrity(3, [2], transient=False)))
+    assert sm.step().to_state == S.RECOVERING
+    first = wg.reserved.ranks[2].node_name
+    assert sm.quarantined_nodes == [first]
+    drive(sm, S.RUNNING)
+    wg.push(running(WORLD, state=everyone, events=_integrity(3, [2], transient=False)))
+    assert sm.step().to_state == S.ERRORED
+    assert sm.reason == ("nonfinite at step 3 again after the restart, on other hardware: "
+                         "the job's, not a node's")
+    assert sm.quarantined_nodes == [first]
+
+
 def test_the_crash_loop_breaker_fails_a_job_without_progress_in_n_attempts():
     sm, wg, _ = to_running(failure_policy=RestartPolicy(max_restarts=10),
                            options=ControllerOptions(crash_loop_attempts=3))

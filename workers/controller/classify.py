@@ -123,6 +123,11 @@ def _decide_sdc(failure: Failure, attempt: Attempt, recurred: bool) -> tuple[Fai
     if isinstance(diverged, dict):
         return FailureClass.JOB_ERROR, (f"diverged, reproduced: {diverged.get('what', 'loss')} is "
                                         f"{diverged.get('value', 'nan')} at step {step} on re-run")
+    if recurred and failure.ranks and len(failure.ranks) < len(attempt.rank_node):
+        # The same check at the same step again, after the restart that kept the blamed node out:
+        # it followed the job, not a node (no second node is quarantined for the job's data).
+        return FailureClass.JOB_ERROR, (f"{kind} at step {step} again after the restart, on other "
+                                        f"hardware: the job's, not a node's")
     world = len(attempt.rank_node)
     if kind == "divergent_replicas" or (world and 0 < len(failure.ranks) < world):
         # Replicas of a deterministic step must be bitwise equal: a mismatch is the hardware's.
