@@ -1,6 +1,6 @@
 """Recovery from a killed rank: Lattice's controller against Ray Train.
 
-    python -m bench.recovery                   # 300 steps, checkpoint every 5, kill the last rank at 12
+    python -m bench.recovery                   # 250 steps, checkpoint every 5, kill the last rank at 12
     python -m bench.recovery --skip-ray-train  # Lattice only (Ray Train needs pandas + pyarrow)
 
 The same small job (the training engine's tiny GPT, the same DCP checkpoints every `--every`
@@ -60,7 +60,7 @@ def run_lattice(steps: int, every: int, kill_at: int, root: str, *, name: str, d
     handle = start_controller(job, cfg, options=opts)
     try:
         # The kill once the spare is warm (started with the ranks, warm once its engine is imported,
-        # a few seconds): the job must still be running then, hence the bench's 300 steps.
+        # a few seconds): the job must still be running then, hence the bench's 250 steps.
         if spares:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
@@ -155,7 +155,7 @@ def run_ray_train(steps: int, every: int, kill_at: int, root: str, dp: int = 2) 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--kill-at", type=int, default=12)
     parser.add_argument("--skip-ray-train", action="store_true")

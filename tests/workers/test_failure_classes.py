@@ -197,6 +197,24 @@ def test_the_same_sdc_at_the_same_step_after_the_restart_follows_the_job_not_a_n
     assert sm.quarantined_nodes == [first]
 
 
+def test_a_gradient_spike_no_re_run_confirmed_blames_nobody_and_recurring_is_the_jobs():
+    """No pre-step snapshot (ZeRO-1): a local gradient-norm spike is only a statistic, which the data
+    can produce; the restart re-runs it, and the same spike again is the job's, on no node."""
+    sm, wg, _ = to_running()
+    spike = {"kind": "integrity_error", "error_kind": "grad_norm_spike", "step": 295, "ranks": [0],
+             "evidence": {"grad_norm": 17.1, "reference": 1.06, "factor": 10.0}, "message": "spike"}
+    everyone = {r: "failed" for r in range(WORLD)}
+    wg.push(running(WORLD, state=everyone, events={r: [dict(spike, rank=r)] for r in range(WORLD)}))
+    assert sm.step().to_state == S.RECOVERING
+    assert event(sm, "failure")["classification"] == "unknown"
+    assert_nobody_blamed(sm)
+    drive(sm, S.RUNNING)
+    wg.push(running(WORLD, state=everyone, events={r: [dict(spike, rank=r)] for r in range(WORLD)}))
+    assert sm.step().to_state == S.ERRORED
+    assert sm.reason.startswith("grad_norm_spike at step 295 again after the restart")
+    assert_nobody_blamed(sm)
+
+
 def test_the_crash_loop_breaker_fails_a_job_without_progress_in_n_attempts():
     sm, wg, _ = to_running(failure_policy=RestartPolicy(max_restarts=10),
                            options=ControllerOptions(crash_loop_attempts=3))

@@ -128,6 +128,11 @@ def _decide_sdc(failure: Failure, attempt: Attempt, recurred: bool) -> tuple[Fai
         # it followed the job, not a node (no second node is quarantined for the job's data).
         return FailureClass.JOB_ERROR, (f"{kind} at step {step} again after the restart, on other "
                                         f"hardware: the job's, not a node's")
+    if kind == "grad_norm_spike" and "transient" not in ev:
+        # A statistical check no re-run confirmed (no pre-step snapshot: ZeRO >= 1, DP >= 3): the
+        # data can spike a gradient too, so the restart is the re-run and nobody is blamed yet.
+        return FailureClass.UNKNOWN, (f"{kind} at step {step} on rank(s) {list(failure.ranks)}, not "
+                                      "re-run: restarting from the checkpoint before blaming anyone")
     world = len(attempt.rank_node)
     if kind == "divergent_replicas" or (world and 0 < len(failure.ranks) < world):
         # Replicas of a deterministic step must be bitwise equal: a mismatch is the hardware's.
