@@ -21,9 +21,8 @@ all-reduce per step, so no rank leaves a collective the others are in. A failed 
 cannot attribute (two replicas disagreeing) is re-run from the pre-step snapshot to find the
 replica that does not reproduce (training.integrity.attribution).
 
-A step whose checks all passed (with a replica comparison where replicas exist) is *verified*
-(`hooks.on_verified`, and `integrity.json` in its checkpoint); a restart restores only the
-checkpoints in `hooks.restore_steps` or saved verified (the report may die with its rank).
+A step whose checks all passed (replicas compared where they exist) is *verified* (`hooks.on_verified`,
+`integrity.json` in its checkpoint); a restart restores only those (`hooks.restore_steps` or saved so).
 
 Step numbers count completed optimizer steps: step s (1-based) consumes the data of step s, and
 a checkpoint of step s resumes at step s + 1.
@@ -141,12 +140,10 @@ class Trainer:
         root = self.cfg.checkpoint.dir
         if not root:
             return None
-        allowed = self.hooks.restore_steps
-        if allowed is not None:  # and those the ranks vouched for in the checkpoint itself
-            allowed = set(allowed) | vouched_steps(root)
+        allowed = None if (heard := self.hooks.restore_steps) is None else {*heard, *vouched_steps(root)}
         with masters_in_place(self.optimizers):
-            loaded = self.checkpointer.load_latest(root, list(self.parts), self.optimizers,
-                                                   allowed_steps=allowed)
+            parts, opts = list(self.parts), self.optimizers
+            loaded = self.checkpointer.load_latest(root, parts, opts, allowed_steps=allowed)
         if loaded is None:
             return None
         step, extra = loaded
