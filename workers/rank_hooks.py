@@ -53,15 +53,10 @@ def make_hooks(actor: RankActor) -> Any:
                          CheckpointReport(step=step, path=path, bytes=nbytes, seconds=seconds))
 
         def on_gradient_spike(self, error: Any) -> None:
-            actor.record(EventKind.GRADIENT_SPIKE, {"error_kind": error.kind, "step": error.step, "ranks":
-                                                    list(error.ranks), "evidence": plain(error.evidence)})
+            actor.record(EventKind.GRADIENT_SPIKE, _error_fields(error))
 
         def on_integrity_error(self, error: Any) -> Any:
-            actor.record(
-                EventKind.INTEGRITY_ERROR,
-                {"error_kind": error.kind, "step": error.step, "ranks": list(error.ranks),
-                 "evidence": plain(error.evidence), "message": str(error)},
-            )
+            actor.record(EventKind.INTEGRITY_ERROR, {**_error_fields(error), "message": str(error)})
             raise error
 
     hooks = RankHooks()
@@ -75,3 +70,9 @@ def make_hooks(actor: RankActor) -> Any:
         hooks.peer_plan = PeerPlan.for_rank(actor.rank, int(actor.peer_request["step"]), sources)
         hooks.kept_state = actor.kept_state
     return hooks
+
+
+def _error_fields(error: Any) -> dict[str, Any]:
+    """What the controller reads of an engine IntegrityError (kind, step, ranks, evidence)."""
+    return {"error_kind": error.kind, "step": error.step, "ranks": list(error.ranks),
+            "evidence": plain(error.evidence)}

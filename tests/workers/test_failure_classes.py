@@ -215,6 +215,18 @@ def test_a_gradient_spike_no_re_run_confirmed_blames_nobody_and_recurring_is_the
     assert_nobody_blamed(sm)
 
 
+def test_a_gradient_spike_the_ranks_settled_as_the_datas_is_logged_and_the_job_runs_on():
+    sm, wg, _ = to_running()
+    spike = {"kind": "gradient_spike", "error_kind": "grad_norm_spike", "step": 295, "ranks": [0],
+             "evidence": {"local_reproduced": True}}
+    wg.push(running(WORLD, events={r: [dict(spike, rank=r)] for r in range(WORLD)}))
+    assert sm.step() is None and sm.state == S.RUNNING
+    logged = [e for e in sm.events if e["kind"] == "gradient_spike"]
+    assert len(logged) == 1 and logged[0]["step"] == 295 and logged[0]["ranks"] == [0]
+    assert "the data's, not the hardware's" in logged[0]["message"]
+    assert_nobody_blamed(sm)
+
+
 def test_the_crash_loop_breaker_fails_a_job_without_progress_in_n_attempts():
     sm, wg, _ = to_running(failure_policy=RestartPolicy(max_restarts=10),
                            options=ControllerOptions(crash_loop_attempts=3))
