@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from training.checkpoint.checkpointer import CheckpointInfo
@@ -48,6 +48,10 @@ class TrainHooks:
     audit: AuditConfig | None = AuditConfig()
     #: Restore only a checkpoint of one of these steps (the verified ones); None = any valid one.
     restore_steps: Collection[int] | None = None
+    #: Local gradient-norm spikes a failed attempt saw with no pre-step snapshot to re-run them:
+    #: step -> {rank: local norm}. The restart is the re-run: the same spike again, to the bit, is
+    #: the data's (training.integrity.rerun.reproduced_spike) and training goes on.
+    rerun_spikes: Mapping[int, Mapping[int, float]] | None = None
     #: A peer recovery (training.checkpoint.peer): this rank's part, and the state its previous
     #: attempt kept (survivors); set, the loop starts from the peers' step instead of a checkpoint.
     peer_plan: PeerPlan | None = None
@@ -87,6 +91,12 @@ class TrainHooks:
         return False
 
     def on_checkpoint(self, step: int, path: str, nbytes: int, seconds: float) -> None:
+        return None
+
+    def on_gradient_rerun(self, step: int, same: list[int], changed: list[int]) -> None:
+        """A restart re-ran `step`, whose gradient spike failed an earlier attempt (`rerun_spikes`),
+        and no check failed this time: the ranks whose local norm came out `same` to the bit (the
+        data's) and those whose norm `changed` (a transient fault then). Every rank; agreed."""
         return None
 
     def on_gradient_spike(self, error: IntegrityError) -> None:

@@ -54,7 +54,7 @@ from training.integrity.detectors import IntegrityError, LossSpikeDetector, chec
 from training.integrity.digest import full_state, model_digest
 from training.integrity.fingerprint import FingerprintVote, param_fingerprint, summarize_step
 from training.integrity.gradient import attach_gradient_audits, take_gradient_checks
-from training.integrity.rerun import data_spike, rerun_attribution, shared_error
+from training.integrity.settle import attribute, rerun_check
 from training.model.transformer import Transformer
 from training.parallel.dist import DistContext, peak_flops
 from training.parallel.memory import MemoryAccount, SavedTensorMeter, account, grad_bytes
@@ -433,18 +433,18 @@ def _agree_on_step(trainer: Trainer, hooks: TrainHooks, step: int, action: Actio
     hooks.on_collective(step, "agree")
     want_ckpt, want_stop, failed = _agree([want_ckpt, want_stop, error is not None], device)
     if failed:
-        shared, found = shared_error(error)
-        snap = trainer.snapshot
-        if snap is not None and snap.step == step:
-            shared = rerun_attribution(trainer, step, shared, found)
-            if data_spike(shared, found):  # the re-run step stands (the same on every rank)
-                log.warning("gradient spike reproduced on the re-run, the data's: %s", shared)
-                hooks.on_gradient_spike(shared)
-                return want_ckpt, want_stop
+        shared, datas = attribute(trainer, step, error, hooks.rerun_spikes)
+        if datas:  # the re-run step stands (the same on every rank)
+            log.warning("gradient spike reproduced on the re-run, the data's: %s", shared)
+            hooks.on_gradient_spike(shared)
+            return want_ckpt, want_stop
         log.error("integrity check failed: %s", shared)
         reaction = hooks.on_integrity_error(shared) or Action.STOP
         want_stop = want_stop or _agree([reaction != Action.CONTINUE], device)[0]
-    elif trainer.fingerprint_ran or not trainer.replicas_comparable:
-        trainer.verified_step = step  # also written into this step's checkpoint
-        hooks.on_verified(step)
+    else:
+        if step in (seen := hooks.rerun_spikes or {}):  # a restart's re-run (training.integrity.settle)
+            hooks.on_gradient_rerun(step, *rerun_check(trainer, seen[step]))
+        if trainer.fingerprint_ran or not trainer.replicas_comparable:
+            trainer.verified_step = step  # also written into this step's checkpoint
+            hooks.on_verified(step)
     return want_ckpt, want_stop

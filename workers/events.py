@@ -41,6 +41,9 @@ class EventKind(enum.StrEnum):
     FAULT_NOTE = "fault_note"  # a fault carried out differently than asked (no cluster owner)
     # A gradient check fired and the re-run reproduced it exactly: the data's spike, training went on.
     GRADIENT_SPIKE = "gradient_spike"
+    # A restart re-ran a step whose gradient spike failed an earlier attempt with no snapshot to
+    # re-run it (training.integrity.settle): same norms, the data's; changed, a transient fault then.
+    GRADIENT_RERUN = "gradient_rerun"
     FAILURE = "failure"  # detection
     ATTRIBUTED = "attributed"  # the ranks / nodes / checkpoint at fault
     STRAGGLER = "straggler"  # a straggler reported without a restart

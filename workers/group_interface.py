@@ -74,11 +74,14 @@ class WorkerGroup(ABC):
     def start(
         self, run_cfg: RunConfig, *, resume: bool, faults: Sequence[Mapping[str, Any]] = (),
         restore_steps: Collection[int] | None = None,
+        rerun_spikes: Mapping[int, Mapping[int, float]] | None = None,
     ) -> list[RankPlacement]:
         """Create the ranks in the reservation, rendezvous, launch training. Returns where each
         rank really runs. `faults` ({"kind", "rank", "at_step", ...}) are armed before training
         starts (fault injection); `restore_steps` limits the checkpoints the ranks may resume
-        from (the verified ones; None = any valid one). Raises WorkerGroupStartupError."""
+        from (the verified ones; None = any valid one); `rerun_spikes` are the gradient spikes a
+        failed attempt saw un-re-run (training.hooks.TrainHooks.rerun_spikes). Raises
+        WorkerGroupStartupError."""
 
     @abstractmethod
     def poll(self) -> GroupStatus:
@@ -98,6 +101,7 @@ class WorkerGroup(ABC):
     def replace_ranks(
         self, ranks: Sequence[int], run_cfg: RunConfig, *, faults: Sequence[Mapping[str, Any]] = (),
         restore_steps: Collection[int] | None = None, allow_peer: bool = True,
+        rerun_spikes: Mapping[int, Mapping[int, float]] | None = None,
         avoid_nodes: Collection[str] = (), prefer_avoid: Collection[str] = (),
     ) -> list[RankPlacement]:
         """The recovery fast path: keep the other ranks' processes, start new ones for `ranks` in their

@@ -83,6 +83,7 @@ class RankActor:
         self.injector: Any = None
         self._flips_reported = 0
         self.restore_steps: set[int] | None = None  # the checkpoints this attempt may restore
+        self.rerun_spikes: dict[int, Mapping[int, float]] = {}  # spikes this attempt re-runs
         self._controller_handle: Any = None
         self._attempts = 0
         self._log_target: LogTarget | None = None
@@ -170,19 +171,21 @@ class RankActor:
         log_target: LogTarget | None = None,
         collective_timeout_s: float | None = None,
         peer: Mapping[str, Any] | None = None,
+        rerun_spikes: Mapping[int, Mapping[int, float]] | None = None,
     ) -> None:
         """Train in a background thread. `restore_steps`: the checkpoints it may resume from
         (the verified ones; None = any valid one); `log_target`: the attempt's log folder (this
         rank's output goes to its file there); `collective_timeout_s`: the process group's timeout
         (rendezvous and every collective; default `rendezvous_timeout_s`); `peer`: a peer recovery
         ({"step", "sources": {lost rank: survivor}}, workers.recovery_path) instead of a checkpoint
-        restore. May run again after `reset()`."""
+        restore; `rerun_spikes`: training.hooks.TrainHooks.rerun_spikes. May run again after `reset()`."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError(f"rank {self.rank} is still training")
         self.peer_request = dict(peer) if peer is not None else None
         if peer is None:
             self.kept_state = None  # a checkpoint restore: the kept state is of no use
         self.restore_steps = None if restore_steps is None else set(restore_steps)
+        self.rerun_spikes = dict(rerun_spikes or {})
         self._attempts += 1
         with self._lock:
             self._state = "running"

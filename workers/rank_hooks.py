@@ -52,6 +52,9 @@ def make_hooks(actor: RankActor) -> Any:
             actor.record(EventKind.CHECKPOINT,
                          CheckpointReport(step=step, path=path, bytes=nbytes, seconds=seconds))
 
+        def on_gradient_rerun(self, step: int, same: list[int], changed: list[int]) -> None:
+            actor.record(EventKind.GRADIENT_RERUN, {"step": step, "same": same, "changed": changed})
+
         def on_gradient_spike(self, error: Any) -> None:
             actor.record(EventKind.GRADIENT_SPIKE, _error_fields(error))
 
@@ -62,6 +65,7 @@ def make_hooks(actor: RankActor) -> Any:
     hooks = RankHooks()
     hooks.injector = actor.injector
     hooks.restore_steps = actor.restore_steps
+    hooks.rerun_spikes = actor.rerun_spikes
     hooks.keep_state_on_failure = True
     if actor.peer_request is not None:  # a peer recovery (training.checkpoint.peer)
         from training.checkpoint.peer import PeerPlan

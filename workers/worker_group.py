@@ -177,7 +177,7 @@ class RayWorkerGroup(WorkerGroup):
 
     def launch(
         self, run_cfg: RunConfig, *, resume: bool, restore_steps: Collection[int] | None = None,
-        peer: RecoveryPath | None = None,
+        peer: RecoveryPath | None = None, rerun_spikes: Mapping[int, Mapping[int, float]] | None = None,
     ) -> None:
         """Rendezvous on rank 0's address (a fresh port each time) and start training on every rank
         (from the DP peers' memory when `peer` is a peer path, else from a checkpoint)."""
@@ -195,7 +195,7 @@ class RayWorkerGroup(WorkerGroup):
                         addr, port, run_cfg, resume=resume, train_fn=self.train_fn,
                         flops_per_token=self.flops_per_token, rendezvous_timeout_s=self.rendezvous_timeout_s,
                         collective_timeout_s=self.collective_timeout_s, restore_steps=steps, log_target=logs,
-                        peer=plan,
+                        peer=plan, rerun_spikes=rerun_spikes,
                     )
                     for a in self._actors
                 ],
@@ -227,10 +227,11 @@ class RayWorkerGroup(WorkerGroup):
     def start(
         self, run_cfg: RunConfig, *, resume: bool, faults: Sequence[Mapping[str, Any]] = (),
         restore_steps: Collection[int] | None = None,
+        rerun_spikes: Mapping[int, Mapping[int, float]] | None = None,
     ) -> list[RankPlacement]:
         actual = self.spawn()
         self._arm(faults)
-        self.launch(run_cfg, resume=resume, restore_steps=restore_steps)
+        self.launch(run_cfg, resume=resume, restore_steps=restore_steps, rerun_spikes=rerun_spikes)
         self._where = actual
         self._spares.fill(actual)
         return actual
@@ -238,6 +239,7 @@ class RayWorkerGroup(WorkerGroup):
     def replace_ranks(
         self, ranks: Sequence[int], run_cfg: RunConfig, *, faults: Sequence[Mapping[str, Any]] = (),
         restore_steps: Collection[int] | None = None, allow_peer: bool = True,
+        rerun_spikes: Mapping[int, Mapping[int, float]] | None = None,
         avoid_nodes: Collection[str] = (), prefer_avoid: Collection[str] = (),
     ) -> list[RankPlacement]:
         """Replace the lost `ranks`, keeping the others' processes; everyone resumes from the DP
@@ -288,7 +290,7 @@ class RayWorkerGroup(WorkerGroup):
                                       node_name=w["node_name"], rack=w["rack"], gpu=w["gpu"])
         self._arm(faults, doomed)
         self.last_recovery = path
-        self.launch(run_cfg, resume=True, restore_steps=restore_steps, peer=path)
+        self.launch(run_cfg, resume=True, restore_steps=restore_steps, peer=path, rerun_spikes=rerun_spikes)
         self._where = [actual[r] for r in sorted(actual)]
         return list(self._where)
 

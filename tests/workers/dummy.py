@@ -55,13 +55,15 @@ class DummyWorkerGroup(WorkerGroup):
     def start(
         self, run_cfg: RunConfig, *, resume: bool, faults: Sequence[Mapping[str, Any]] = (),
         restore_steps: Collection[int] | None = None,
+        rerun_spikes: Mapping[int, Mapping[int, float]] | None = None,
     ) -> list[RankPlacement]:
         self.calls.append("start")
         if self.start_error:
             raise WorkerGroupStartupError(self.start_error)
         assert self.reserved is not None
         self.starts.append({"run_cfg": run_cfg, "resume": resume, "faults": [dict(f) for f in faults],
-                            "restore_steps": None if restore_steps is None else sorted(restore_steps)})
+                            "restore_steps": None if restore_steps is None else sorted(restore_steps),
+                            "rerun_spikes": {s: dict(n) for s, n in (rerun_spikes or {}).items()}})
         return list(self.landed or self.reserved.ranks)
 
     def poll(self) -> GroupStatus:

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service import store
 from service.scheduler.ingest import store_controller_event
 from service.store.models import Tenant
+from workers.controller import classify
 from workers.controller.options import ControllerOptions
 from workers.controller.state import ControllerState
 from workers.policies import Failure, FailureAction, FailureClass, FailureKind, RestartPolicy
@@ -197,22 +198,58 @@ def test_the_same_sdc_at_the_same_step_after_the_restart_follows_the_job_not_a_n
     assert sm.quarantined_nodes == [first]
 
 
-def test_a_gradient_spike_no_re_run_confirmed_blames_nobody_and_recurring_is_the_jobs():
-    """No pre-step snapshot (ZeRO-1): a local gradient-norm spike is only a statistic, which the data
-    can produce; the restart re-runs it, and the same spike again is the job's, on no node."""
+@pytest.mark.parametrize("kind", ["grad_norm_spike", "grad_norm_outlier"])
+def test_a_gradient_spike_no_re_run_confirmed_blames_nobody_and_recurring_is_the_jobs(kind):
+    """No pre-step snapshot (ZeRO-1, DP 3): a local gradient norm far above its own history or its
+    peers' is only a statistic, which the data can produce; the restart re-runs it, and the same
+    spike again (not to the bit: the ranks settle that one) is the job's, on no node."""
     sm, wg, _ = to_running()
-    spike = {"kind": "integrity_error", "error_kind": "grad_norm_spike", "step": 295, "ranks": [0],
-             "evidence": {"grad_norm": 17.1, "reference": 1.06, "factor": 10.0}, "message": "spike"}
+    spike = {"kind": "integrity_error", "error_kind": kind, "step": 295, "ranks": [0],
+             "evidence": {"grad_norm": 17.1, "reference": 1.06, "factor": 10.0,
+                          "grad_norms_local": {"0": 17.1}}, "message": "spike"}
     everyone = {r: "failed" for r in range(WORLD)}
     wg.push(running(WORLD, state=everyone, events={r: [dict(spike, rank=r)] for r in range(WORLD)}))
     assert sm.step().to_state == S.RECOVERING
     assert event(sm, "failure")["classification"] == "unknown"
     assert_nobody_blamed(sm)
     drive(sm, S.RUNNING)
+    # The restart is the re-run: the ranks get the spike to compare theirs with (the same, to the
+    # bit, is the data's and they go on: tests/training/test_gradient_spike.py).
+    assert wg.starts[-1]["rerun_spikes"] == {295: {0: 17.1}}
     wg.push(running(WORLD, state=everyone, events={r: [dict(spike, rank=r)] for r in range(WORLD)}))
     assert sm.step().to_state == S.ERRORED
-    assert sm.reason.startswith("grad_norm_spike at step 295 again after the restart")
+    assert sm.reason.startswith(f"{kind} at step 295 again after the restart")
     assert_nobody_blamed(sm)
+
+
+@pytest.mark.parametrize("changed", [False, True], ids=["same-norms", "changed-norms"])
+def test_a_restarts_re_run_of_a_spike_blames_the_first_nodes_only_when_the_norms_changed(changed):
+    """The restart re-ran the spike's step and no check fired: the same norms are the data's (logged,
+    nobody blamed); changed norms mean the first attempt's were corrupt: a transient fault of the
+    node rank 2 was on *then*, counted against it now (suspect), and the job runs on."""
+    sm, wg, _ = to_running()
+    node = sm.attempt.rank_node[2]
+    spike = {"kind": "integrity_error", "error_kind": "grad_norm_outlier", "step": 7, "ranks": [2],
+             "evidence": {"grad_norms_local": {"2": 40.5}}, "message": "outlier"}
+    everyone = {r: "failed" for r in range(WORLD)}
+    wg.push(running(WORLD, state=everyone, events={r: [dict(spike, rank=r)] for r in range(WORLD)}))
+    assert sm.step().to_state == S.RECOVERING
+    drive(sm, S.RUNNING)
+    assert wg.starts[-1]["rerun_spikes"] == {7: {2: 40.5}}
+    same, other = ([], [2]) if changed else ([2], [])
+    rerun = {"kind": "gradient_rerun", "step": 7, "same": same, "changed": other}
+    wg.push(running(WORLD, events={r: [dict(rerun, rank=r)] for r in range(WORLD)}))
+    assert sm.step() is None and sm.state == S.RUNNING
+    logged = event(sm, "gradient_rerun")
+    assert logged["step"] == 7 and len([e for e in sm.events if e["kind"] == "gradient_rerun"]) == 1
+    if not changed:
+        assert "the data's" in logged["message"]
+        assert_nobody_blamed(sm)
+        return
+    assert "transient fault" in logged["message"]
+    blamed = event(sm, "attributed")
+    assert blamed["ranks"] == [2] and blamed["nodes"] == [node] and blamed["transient"] is True
+    assert sm.suspect_nodes == [node] and sm.quarantined_nodes == []
 
 
 def test_a_gradient_spike_the_ranks_settled_as_the_datas_is_logged_and_the_job_runs_on():
@@ -340,3 +377,9 @@ def test_the_re_run_verdict_names_a_divergence_only_when_every_rank_reproduces_i
     assert diverged_again(shared, found[:1], 4.15, both_bad, 2) is None  # one rank named first
     spike = IntegrityError("loss_spike", 4, [0, 1], {})
     assert diverged_again(spike, found, nan, both_bad, 2) is None
+
+
+def test_the_controller_and_the_engine_agree_on_which_gradient_checks_are_statistical():
+    from training.integrity.rerun import STATISTICAL_KINDS
+
+    assert classify.STATISTICAL_KINDS == STATISTICAL_KINDS

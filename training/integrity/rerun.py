@@ -41,15 +41,26 @@ def gather_object(value: Any) -> list[Any]:
     return gathered
 
 
-def shared_error(error: IntegrityError | None) -> tuple[IntegrityError, list[tuple]]:
+def shared_error(error: IntegrityError | None,
+                 norm: float | None = None) -> tuple[IntegrityError, list[tuple]]:
     """The integrity error every rank raises: the lowest-ranked detector's, with all detectors' ranks;
-    and every detector's (kind, step, ranks, evidence)."""
+    and every detector's (kind, step, ranks, evidence). `norm`: this rank's local gradient norm;
+    the evidence carries those of the ranks a statistical check named (`grad_norms_local`)."""
     # Sent as plain tuples: IntegrityError's constructor arguments do not survive pickling.
     mine = (error.kind, error.step, error.ranks, error.evidence) if error is not None else None
-    found = [e for e in gather_object(mine) if e is not None]
+    gathered = gather_object((mine, norm))
+    found = [e for e, _ in gathered if e is not None]
     kind, step, _, evidence = found[0]
     ranks = sorted({r for e in found for r in e[2]})
+    named = {r for k, _, rs, _ in found if k in STATISTICAL_KINDS for r in rs}
+    norms = {str(r): gathered[r][1] for r in sorted(named) if _finite(gathered[r][1])}
+    if norms:  # for a restart with no snapshot to compare (training.integrity.settle)
+        evidence = {**evidence, "grad_norms_local": norms}
     return IntegrityError(kind, step, ranks, evidence), found
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, float) and math.isfinite(value)
 
 
 _LOCAL_KINDS = ("grad_norm_spike", "nonfinite", *GRAD_CHECK_KINDS)
@@ -106,10 +117,11 @@ def rerun_attribution(
     return IntegrityError(shared.kind, step, sorted(culprits), evidence)
 
 
-# The statistical gradient check re-run from the snapshot: a local norm far above its own history,
-# which the data itself can produce. Reproduced, it is the data's; an exact check (the bucket
-# checksum, ABFT) or a replica vote that reproduces is not.
-STATISTICAL_KINDS = ("grad_norm_spike",)
+# The statistical gradient checks: a local norm far above its own history, or far above the DP
+# peers' (one rank's micro-batch can be that odd): the data itself can produce both. Reproduced to
+# the bit, they are the data's; an exact check (the bucket checksum, ABFT) or a replica vote that
+# reproduces is not. (workers.controller.classify keeps the same list.)
+STATISTICAL_KINDS = ("grad_norm_spike", "grad_norm_outlier")
 
 
 def data_spike(error: IntegrityError, found: list[tuple]) -> bool:
@@ -149,3 +161,4 @@ def _maybe_write_referee_snapshot(trainer: RerunnableTrainer, step: int, first: 
         save_referee_snapshot(path, trainer.snapshot.state())
     prints = {str(r): f"{f:032x}" for r, f in zip(first.ranks, first.fingerprints, strict=True)}
     return {"snapshot": path, "step": step, "dp_group": list(first.ranks), "fingerprints": prints}
+

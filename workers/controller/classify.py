@@ -39,6 +39,8 @@ INFRA_TYPES = frozenset({"DistError", "DistBackendError", "DistNetworkError", "D
                          "RayActorError", "NodeDiedError"})
 INFRA_MESSAGE = re.compile(r"gloo|nccl|connection (reset|closed|refused)|timed out|timeout|socket|"
                            r"broken pipe|cuda error|uncorrectable ecc|xid", re.IGNORECASE)
+# The engine's statistical gradient checks, which the data can trip too (training.integrity.rerun).
+STATISTICAL_KINDS = ("grad_norm_spike", "grad_norm_outlier")
 _INFRA_KINDS = frozenset({FailureKind.RANK_DIED, FailureKind.NODE_DIED, FailureKind.HANG,
                           FailureKind.STARTUP, FailureKind.CHECKPOINT, FailureKind.STRAGGLER})
 
@@ -128,7 +130,7 @@ def _decide_sdc(failure: Failure, attempt: Attempt, recurred: bool) -> tuple[Fai
         # it followed the job, not a node (no second node is quarantined for the job's data).
         return FailureClass.JOB_ERROR, (f"{kind} at step {step} again after the restart, on other "
                                         f"hardware: the job's, not a node's")
-    if kind == "grad_norm_spike" and "transient" not in ev:
+    if kind in STATISTICAL_KINDS and "transient" not in ev:
         # A statistical check no re-run confirmed (no pre-step snapshot: ZeRO >= 1, DP >= 3): the
         # data can spike a gradient too, so the restart is the re-run and nobody is blamed yet.
         return FailureClass.UNKNOWN, (f"{kind} at step {step} on rank(s) {list(failure.ranks)}, not "
@@ -142,6 +144,18 @@ def _decide_sdc(failure: Failure, attempt: Attempt, recurred: bool) -> tuple[Fai
                                         "(again after the restart, on every rank)")
     return FailureClass.UNKNOWN, (f"{kind} at step {step} on every rank: re-running it before blaming "
                                   "anyone")
+
+
+def spike_to_rerun(failure: Failure) -> tuple[int, dict[int, float]] | None:
+    """A local gradient-norm spike that no re-run from a pre-step snapshot tested: its step and
+    each named rank's norm, for the restart to re-run (training.hooks.TrainHooks.rerun_spikes)."""
+    info = failure.evidence or {}
+    ev = info.get("evidence") or {}
+    norms = ev.get("grad_norms_local")
+    if (failure.kind != FailureKind.SDC or info.get("error_kind") not in STATISTICAL_KINDS
+            or "transient" in ev or not isinstance(norms, dict)):
+        return None
+    return int(info.get("step", failure.step)), {int(r): float(v) for r, v in norms.items()}
 
 
 def _signature(failure: Failure, report: dict[str, Any] | None) -> tuple[Any, ...]:

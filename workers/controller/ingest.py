@@ -87,9 +87,23 @@ def _read(c: Controller, rank: int, ev: Mapping[str, Any], world: int, now: floa
         c.log.emit(EventKind.GRADIENT_SPIKE, f"{ev.get('error_kind')} at step {ev.get('step')} on rank(s) "
                    f"{ev.get('ranks')} reproduced exactly on the re-run: the data's, not the hardware's; "
                    "training goes on", **{k: ev.get(k) for k in ("error_kind", "step", "ranks", "evidence")})
+    elif kind == EventKind.GRADIENT_RERUN and rank == 0:  # agreed: the same on every rank
+        _on_gradient_rerun(c, ev)
     elif kind == EventKind.STARTED and rank == 0:
         c.log.emit(EventKind.RENDEZVOUS, f"process group up ({ev.get('backend')} on {ev.get('device')})",
                    backend=ev.get("backend"), device=ev.get("device"))
+
+
+def _on_gradient_rerun(c: Controller, ev: Mapping[str, Any]) -> None:
+    """A restart re-ran a step whose gradient spike failed an earlier attempt (training.integrity.settle)."""
+    step, same, changed = int(ev.get("step", 0)), list(ev.get("same") or []), list(ev.get("changed") or [])
+    if changed:
+        c.recovery.transients.append((step, changed))
+        why = f"rank(s) {changed} computed other norms now: a transient fault in the earlier attempt"
+    else:
+        why = "the same norms to the bit: the data's, not the hardware's"
+    c.log.emit(EventKind.GRADIENT_RERUN, f"step {step}'s gradient spike re-run by the restart: {why}",
+               step=step, same=same, changed=changed)
 
 
 def _on_step(c: Controller, rank: int, ev: Mapping[str, Any]) -> None:

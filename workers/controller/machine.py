@@ -38,6 +38,7 @@ from workers.policies import (
     Failure,
     FailureAction,
     FailureClass,
+    FailureDecision,
     FailureKind,
     FailurePolicy,
     HoldLayoutPolicy,
@@ -235,7 +236,8 @@ class ControllerStateMachine:
     def _on_starting(self) -> Transition | None:
         try:
             actual = self.wg.start(self.run_cfg, resume=self.recovery.resume,
-                                   faults=list(self.injector.pending), restore_steps=self.restore_steps())
+                                   faults=list(self.injector.pending), restore_steps=self.restore_steps(),
+                                   rerun_spikes=self.recovery.rerun_spikes)
         except (WorkerGroupError, PlacementError) as e:
             return self._on_failure(Failure(FailureKind.STARTUP, str(e)))
         intended = {r["rank"]: r for r in self.job.placement}
@@ -262,6 +264,7 @@ class ControllerStateMachine:
             if rank in status.ranks:
                 status.ranks[rank].events.insert(0, ev)
         ingest.ingest(self, status, now)
+        self._blame_transients()
         failure = detection.detect(status, now, self.attempt, self.options, self.job.progress["step"],
                                    self._node_gone, self.recovery.straggler)
         if failure is not None:
@@ -283,6 +286,20 @@ class ControllerStateMachine:
         if ckpt_open is None and self.state == ControllerState.CHECKPOINTING:
             return self._to(ControllerState.RUNNING, "checkpoint committed")
         return None
+
+    def _blame_transients(self) -> None:
+        """A restart's re-run of a gradient spike changed the norms: the first attempt's were corrupt,
+        a transient fault of those ranks' nodes then, counted against them now (suspect)."""
+        recovery = self.recovery
+        for step, ranks in recovery.transients:
+            nodes = tuple(sorted({n for r, n in recovery.rerun_nodes.get(step, {}).items() if r in ranks}))
+            evidence = {"error_kind": "gradient_rerun", "step": step,
+                        "evidence": {"transient": True, "attribution": "the restart re-ran it: other norms"}}
+            failure = Failure(FailureKind.SDC, f"step {step}'s gradient did not reproduce on rank(s) {ranks}",
+                              tuple(ranks), nodes, step, evidence, FailureClass.INFRASTRUCTURE)
+            self.attributor.attribute(failure, FailureDecision(FailureAction.RETRY, "after the fact",
+                                                               suspect_nodes=nodes))
+        recovery.transients.clear()
 
     def _node_gone(self, node: str) -> bool:
         return node in self.injector.dead_nodes or not self.wg.node_alive(node)
@@ -309,6 +326,12 @@ class ControllerStateMachine:
             failure = annotate_hang(failure, self.run_cfg.checkpoint.dir,
                                     range(self.run_cfg.layout.world_size), self.wg.dump_collectives)
         failure = classify.classify(failure, self.attempt, self.history)
+        spike = classify.spike_to_rerun(failure)
+        if spike is not None:  # the restart re-runs it (training.integrity.settle)
+            step, norms = spike
+            self.recovery.rerun_spikes[step] = norms
+            self.recovery.rerun_nodes[step] = {r: self.attempt.rank_node[r] for r in norms
+                                               if r in self.attempt.rank_node}
         stalled = classify.note_progress(self.history, self.attempt)
         report = classify.rank_report(failure, self.attempt) or {}
         evidence = {"classification": str(failure.failure_class), "classification_reason": failure.why,

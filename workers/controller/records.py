@@ -44,6 +44,12 @@ class Recovery:
     straggler: dict[str, Any] | None = None  # a straggler found, not yet handled
     peer_step: int | None = None  # the last restart came from the DP peers' state of this step...
     peer_failed: bool = False  # ...and that attempt failed before a step: use the checkpoint next
+    # Gradient spikes seen with no snapshot to re-run them, step -> {rank: local norm}: the restarts
+    # re-run them (training.hooks.TrainHooks.rerun_spikes).
+    rerun_spikes: dict[int, dict[int, float]] = field(default_factory=dict)
+    rerun_nodes: dict[int, dict[int, str]] = field(default_factory=dict)  # ...and their ranks' nodes then
+    # Re-runs whose norms changed, (step, ranks), for the state machine to blame those nodes
+    transients: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 @dataclass
