@@ -36,7 +36,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from training.checkpoint import peer
@@ -54,9 +53,10 @@ from training.integrity.detectors import IntegrityError, LossSpikeDetector, chec
 from training.integrity.digest import full_state, model_digest
 from training.integrity.fingerprint import FingerprintVote, param_fingerprint, summarize_step
 from training.integrity.gradient import attach_gradient_audits, take_gradient_checks
+from training.integrity.history import history_state, load_history
 from training.integrity.settle import attribute, rerun_check
 from training.model.transformer import Transformer
-from training.parallel.dist import DistContext, peak_flops
+from training.parallel.dist import DistContext, agree_flags, peak_flops
 from training.parallel.memory import MemoryAccount, SavedTensorMeter, account, grad_bytes
 from training.parallel.mesh import ParallelDims
 from training.parallel.optim import (
@@ -149,6 +149,7 @@ class Trainer:
         step, extra = loaded
         if "data" in extra:
             self.data.load_state_dict(extra["data"])
+        load_history(self, extra.get("checks"))  # the detectors' (training.integrity.history)
         self.step = step
         log.info("resumed from checkpoint step %d", step)
         return step
@@ -163,8 +164,8 @@ class Trainer:
             done.append(previous)
         with masters_in_place(self.optimizers):  # the fp32 masters are what a checkpoint keeps
             info = self.checkpointer.save(c.dir, self.step, list(self.parts), self.optimizers,
-                                          {"data": self.data.state_dict()}, keep=c.keep,
-                                          async_save=c.async_save,
+                                          {"data": self.data.state_dict(), "checks": history_state(self)},
+                                          keep=c.keep, async_save=c.async_save,
                                           describe={"model.json": self.cfg.model.to_dict(),
                                                     "layout.json": self.cfg.layout.to_dict(),
                                                     INTEGRITY: {"verified": self.verified_step == self.step}})
@@ -328,13 +329,6 @@ def _as_transformer(module: nn.Module) -> Transformer:
     return module
 
 
-def _agree(flags: list[bool], device: torch.device) -> list[bool]:
-    """Logical OR of each flag over all ranks."""
-    t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
-
-
 def train(ctx: DistContext, cfg: RunConfig, hooks: TrainHooks | None = None, *, resume: bool = True,
           flops_per_token: float | None = None) -> TrainResult:
     """Run `cfg.steps` steps on this rank (see the module docstring); every rank of the job calls it."""
@@ -431,7 +425,7 @@ def _agree_on_step(trainer: Trainer, hooks: TrainHooks, step: int, action: Actio
     want_ckpt = action in (Action.CHECKPOINT, Action.CHECKPOINT_AND_STOP) or hooks.should_checkpoint(step)
     want_stop = action in (Action.STOP, Action.CHECKPOINT_AND_STOP)
     hooks.on_collective(step, "agree")
-    want_ckpt, want_stop, failed = _agree([want_ckpt, want_stop, error is not None], device)
+    want_ckpt, want_stop, failed = agree_flags([want_ckpt, want_stop, error is not None], device)
     if failed:
         shared, datas = attribute(trainer, step, error, hooks.rerun_spikes)
         if datas:  # the re-run step stands (the same on every rank)
@@ -440,7 +434,7 @@ def _agree_on_step(trainer: Trainer, hooks: TrainHooks, step: int, action: Actio
             return want_ckpt, want_stop
         log.error("integrity check failed: %s", shared)
         reaction = hooks.on_integrity_error(shared) or Action.STOP
-        want_stop = want_stop or _agree([reaction != Action.CONTINUE], device)[0]
+        want_stop = want_stop or agree_flags([reaction != Action.CONTINUE], device)[0]
     else:
         if step in (seen := hooks.rerun_spikes or {}):  # a restart's re-run (training.integrity.settle)
             hooks.on_gradient_rerun(step, *rerun_check(trainer, seen[step]))

@@ -181,3 +181,10 @@ def shutdown() -> None:
         dist.destroy_process_group()
     gc.collect()
     time.sleep(_RETIRE_S)
+
+
+def agree_flags(flags: list[bool], device: torch.device) -> list[bool]:
+    """Logical OR of each flag over all ranks."""
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
