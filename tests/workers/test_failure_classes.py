@@ -383,3 +383,17 @@ def test_the_controller_and_the_engine_agree_on_which_gradient_checks_are_statis
     from training.integrity.rerun import STATISTICAL_KINDS
 
     assert classify.STATISTICAL_KINDS == STATISTICAL_KINDS
+
+
+def test_a_spike_is_re_run_only_in_the_layout_it_was_seen_in():
+    """After a replan the ranks compute other local gradients: their norms say nothing about the
+    first attempt's, so the restart gets no spikes to compare (and nobody is blamed for a change)."""
+    from training.config.layout import Layout
+    from workers.controller.records import Recovery
+
+    rec, big, small = Recovery(resume=True), Layout(dp=4), Layout(dp=2)
+    rec.note_spike(7, {2: 40.5}, {2: "r1-n2"}, big)
+    assert rec.spikes_to_rerun(big) == {7: {2: 40.5}} and rec.spikes_to_rerun(small) == {}
+    rec.note_spike(9, {0: 3.25}, {0: "r1-n1"}, small)  # seen in the new layout: the old ones go
+    assert rec.spikes_to_rerun(small) == {9: {0: 3.25}} and rec.rerun_nodes == {9: {0: "r1-n1"}}
+    assert rec.spikes_to_rerun(big) == {}

@@ -161,4 +161,3 @@ def _maybe_write_referee_snapshot(trainer: RerunnableTrainer, step: int, first: 
         save_referee_snapshot(path, trainer.snapshot.state())
     prints = {str(r): f"{f:032x}" for r, f in zip(first.ranks, first.fingerprints, strict=True)}
     return {"snapshot": path, "step": step, "dp_group": list(first.ranks), "fingerprints": prints}
-

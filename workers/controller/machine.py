@@ -237,7 +237,7 @@ class ControllerStateMachine:
         try:
             actual = self.wg.start(self.run_cfg, resume=self.recovery.resume,
                                    faults=list(self.injector.pending), restore_steps=self.restore_steps(),
-                                   rerun_spikes=self.recovery.rerun_spikes)
+                                   rerun_spikes=self.recovery.spikes_to_rerun(self.run_cfg.layout))
         except (WorkerGroupError, PlacementError) as e:
             return self._on_failure(Failure(FailureKind.STARTUP, str(e)))
         intended = {r["rank"]: r for r in self.job.placement}
@@ -329,9 +329,8 @@ class ControllerStateMachine:
         spike = classify.spike_to_rerun(failure)
         if spike is not None:  # the restart re-runs it (training.integrity.settle)
             step, norms = spike
-            self.recovery.rerun_spikes[step] = norms
-            self.recovery.rerun_nodes[step] = {r: self.attempt.rank_node[r] for r in norms
-                                               if r in self.attempt.rank_node}
+            nodes = {r: self.attempt.rank_node[r] for r in norms if r in self.attempt.rank_node}
+            self.recovery.note_spike(step, norms, nodes, self.run_cfg.layout)
         stalled = classify.note_progress(self.history, self.attempt)
         report = classify.rank_report(failure, self.attempt) or {}
         evidence = {"classification": str(failure.failure_class), "classification_reason": failure.why,

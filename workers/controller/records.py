@@ -44,12 +44,24 @@ class Recovery:
     straggler: dict[str, Any] | None = None  # a straggler found, not yet handled
     peer_step: int | None = None  # the last restart came from the DP peers' state of this step...
     peer_failed: bool = False  # ...and that attempt failed before a step: use the checkpoint next
-    # Gradient spikes seen with no snapshot to re-run them, step -> {rank: local norm}: the restarts
-    # re-run them (training.hooks.TrainHooks.rerun_spikes).
+    # Gradient spikes seen with no snapshot to re-run them, step -> {rank: local norm}, in the layout
+    # `rerun_layout`: the restarts re-run them (training.hooks.TrainHooks.rerun_spikes).
     rerun_spikes: dict[int, dict[int, float]] = field(default_factory=dict)
     rerun_nodes: dict[int, dict[int, str]] = field(default_factory=dict)  # ...and their ranks' nodes then
+    rerun_layout: Any = None
     # Re-runs whose norms changed, (step, ranks), for the state machine to blame those nodes
     transients: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    def note_spike(self, step: int, norms: dict[int, float], nodes: dict[int, str], layout: Any) -> None:
+        """A spike for the restarts to re-run; those of another layout are dropped."""
+        if layout != self.rerun_layout:
+            self.rerun_spikes, self.rerun_nodes, self.rerun_layout = {}, {}, layout
+        self.rerun_spikes[step], self.rerun_nodes[step] = norms, nodes
+
+    def spikes_to_rerun(self, layout: Any) -> dict[int, dict[int, float]]:
+        """`rerun_spikes` for a start in `layout`: after a replan the ranks see other local gradients,
+        whose norms say nothing about the first attempt's."""
+        return self.rerun_spikes if layout == self.rerun_layout else {}
 
 
 @dataclass

@@ -53,7 +53,7 @@ def recover(sm: ControllerStateMachine) -> Transition:
         try:
             actual = sm.wg.replace_ranks(ranks, sm.run_cfg, faults=list(sm.injector.pending),
                                          restore_steps=sm.restore_steps(), allow_peer=allow_peer,
-                                         rerun_spikes=recovery.rerun_spikes,
+                                         rerun_spikes=recovery.spikes_to_rerun(sm.run_cfg.layout),
                                          avoid_nodes=bad, prefer_avoid=sm.attributor.exclude - bad)
         except (WorkerGroupError, PlacementError) as e:
             sm.log.emit(EventKind.FAST_PATH_FAILED, f"replacing ranks {ranks} failed, restarting all: {e}")
