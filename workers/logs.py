@@ -16,6 +16,7 @@ reads them while the job runs, after it ends, and after a restart. Pure Python: 
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import re
@@ -209,9 +210,18 @@ def capture_rank_output(target: LogTarget | None, rank: int) -> Iterator[Rotatin
         root.setLevel(logging.INFO)
     old_out, old_err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Tee(old_out, writer), _Tee(old_err, writer)  # type: ignore[assignment]
+    # A fatal signal (SIGSEGV, SIGABRT, SIGBUS, ...) in native code kills the process before Python can
+    # log anything: faulthandler writes every thread's stack to the rank's file first (its own file
+    # object, so the log's rotation cannot close it under it).
+    crash, was_enabled = open(target.path(rank), "ab"), faulthandler.is_enabled()
+    faulthandler.enable(file=crash, all_threads=True)
     try:
         yield writer
     finally:
+        faulthandler.disable()
+        if was_enabled and sys.__stderr__ is not None:  # as Ray's workers had it: to the process's stderr
+            faulthandler.enable(file=sys.__stderr__, all_threads=True)
+        crash.close()
         sys.stdout, sys.stderr = old_out, old_err
         root.removeHandler(handler)
         root.setLevel(old_level)

@@ -115,3 +115,32 @@ def test_follower_reads_appends_across_a_rotation(tmp_path: Path) -> None:
     writer.close()
     follower.close()
     assert LogFollower(path, start=len("second line 012345\n")).read_new() == b"third\n"
+
+
+_CRASH = """
+import ctypes, sys, threading
+from pathlib import Path
+from workers.logs import LogTarget, capture_rank_output, job_logs_dir, new_attempt
+root = job_logs_dir(Path(sys.argv[1]))
+target = LogTarget(str(root), attempt=new_attempt(root))
+def train():
+    print("step 1", flush=True)
+    ctypes.string_at(0)  # a read of address 0 in native code, as a crash in gloo or a kernel would be
+with capture_rank_output(target, rank=2):
+    t = threading.Thread(target=train, name="lattice-rank-2")
+    t.start()
+    t.join()
+"""
+
+
+def test_a_rank_killed_by_a_fatal_signal_leaves_every_threads_stack_in_its_log(tmp_path: Path) -> None:
+    """A native crash (SIGSEGV) ends the process before Python logs anything: faulthandler writes the
+    stacks to the rank's file first, so the attempt's log says where it died."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path)], capture_output=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == -11, proc.stderr[-2000:]
+    text = rank_log_path(job_logs_dir(tmp_path), 1, 2).read_text()
+    assert "step 1" in text and "Fatal Python error: Segmentation fault" in text
+    assert "in train" in text  # the crashing thread's frame, named
