@@ -50,7 +50,7 @@ class TrainHooks:
     restore_steps: Collection[int] | None = None
     #: Local gradient-norm spikes a failed attempt saw with no pre-step snapshot to re-run them:
     #: step -> {rank: local norm}. The restart is the re-run: the same spike again, to the bit, is
-    #: the data's (training.integrity.rerun.reproduced_spike) and training goes on.
+    #: the data's (training.integrity.settle.attribute) and training goes on.
     rerun_spikes: Mapping[int, Mapping[int, float]] | None = None
     #: A peer recovery (training.checkpoint.peer): this rank's part, and the state its previous
     #: attempt kept (survivors); set, the loop starts from the peers' step instead of a checkpoint.
