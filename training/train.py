@@ -54,7 +54,7 @@ from training.integrity.digest import full_state, model_digest
 from training.integrity.fingerprint import FingerprintVote, param_fingerprint, summarize_step
 from training.integrity.gradient import attach_gradient_audits, take_gradient_checks
 from training.integrity.history import history_state, load_history
-from training.integrity.settle import attribute, rerun_check
+from training.integrity.settle import attribute, probe_rerun, rerun_check
 from training.model.transformer import Transformer
 from training.parallel.dist import DistContext, agree_flags, peak_flops
 from training.parallel.memory import MemoryAccount, SavedTensorMeter, account, grad_bytes
@@ -382,6 +382,7 @@ def _run(trainer: Trainer, hooks: TrainHooks, resume: bool) -> TrainResult:
     for step in range(trainer.step + 1, cfg.steps + 1):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        probe_rerun(trainer, step, hooks.rerun_spikes)  # a restart's re-run of a spike: other devices too
         started = time.perf_counter()
         loss, positions = trainer.train_step(step)
         error = trainer.check_integrity(step, loss)

@@ -12,6 +12,7 @@ from tests.distributed import run_ranks
 from training.config.layout import Layout
 from training.config.run import RunConfig
 from training.config.spec import ModelSpec
+from training.integrity import swap
 
 SPEC = ModelSpec(layers=1, hidden=32, heads=2, vocab=64, seq_len=16)
 
@@ -28,7 +29,8 @@ def _worker(rank: int, world: int, audit: dict | None) -> dict:
 
     class Hooks(TrainHooks):
         def on_gradient_spike(self, error) -> None:
-            spikes.append((error.kind, error.step, tuple(error.ranks), error.evidence["local_reproduced"]))
+            spikes.append((error.kind, error.step, tuple(error.ranks), error.evidence["local_reproduced"],
+                           error.evidence["swap"]["follows_data"]))  # on the DP peer's device too
 
     hooks = Hooks()
     if audit is not None:
@@ -51,7 +53,7 @@ def test_a_reproduced_gradient_spike_is_the_datas_and_training_goes_on(audit, ki
     clean = run_ranks(2, _worker, (None,))
     assert clean[0]["spikes"] == [] and spiky[0]["spikes"], spiky[0]
     assert spiky[0]["spikes"] == spiky[1]["spikes"]  # agreed: every rank heard the same
-    assert all(k == kind and reproduced for k, _, _, reproduced in spiky[0]["spikes"]), spiky[0]
+    assert all(k == kind and reproduced and follows for k, _, _, reproduced, follows in spiky[0]["spikes"])
     assert [r["final"] for r in spiky] == [12, 12]
     assert {r["digest"] for r in spiky} == {clean[0]["digest"]}  # the re-run steps are the real ones
 
@@ -73,6 +75,7 @@ def _attempt(rank: int, world: int, audit: dict, layout: dict, ckpt: str, seen: 
     class Hooks(TrainHooks):
         def on_gradient_spike(self, error) -> None:
             accepted.append((error.step, error.evidence.get("attribution")))
+            assert error.evidence["swap"]["follows_data"] is True  # the batch's, on the peer's device too
 
         def on_gradient_rerun(self, step, same, changed) -> None:
             reruns.append((step, same, changed))
@@ -146,3 +149,169 @@ def test_a_restart_whose_re_run_changes_the_norms_reports_a_transient_fault(tmp_
     changed = run_ranks(2, _attempt, (calm, layout, str(tmp_path / "c"), corrupt))
     assert changed[0]["reruns"] == changed[1]["reruns"] == [(step, [], sorted(norms))]
     assert changed[0]["digest"] == same[0]["digest"] == run_ranks(2, _clean, (layout,))[0]
+
+
+FAULT_STEP = 4
+
+
+def _faulty_device(rank: int, world: int, layout: dict, ckpt: str, seen: dict) -> dict:
+    """A rank whose device scales one parameter's gradient by 1e4 every time it computes step
+    FAULT_STEP (a persistent fault: re-runs and restarts on it reproduce the spike to the bit)."""
+    import torch
+
+    from training.config.layout import Layout as L
+    from training.config.run import CheckpointConfig
+    from training.hooks import TrainHooks
+    from training.integrity.detectors import IntegrityError
+    from training.integrity.injection import BitFlipInjector
+    from training.parallel.dist import DistContext
+    from training.train import train
+
+    class FaultyDevice(BitFlipInjector):
+        def arm_grad_flips(self, step, named_params):  # called before every backward of a step
+            for _, handle in self._armed:
+                handle.remove()
+            self._armed = []
+            if step == FAULT_STEP and self.rank == 1:
+                _, p = max(named_params, key=lambda item: item[1].numel())
+                self._armed.append((None, p.register_hook(lambda g: g * 1e4)))
+            return []
+
+    accepted: list[int] = []
+
+    class Hooks(TrainHooks):
+        def on_gradient_spike(self, error) -> None:
+            accepted.append(error.step)
+
+        def on_integrity_error(self, error):  # as the Ray ranks do: the attempt fails
+            raise error
+
+    hooks = Hooks()
+    hooks.injector = FaultyDevice([], rank)
+    hooks.rerun_spikes = seen
+    cfg = RunConfig(model=SPEC, layout=L(**layout), steps=6,
+                    checkpoint=CheckpointConfig(dir=ckpt, every_steps=2))
+    ctx = DistContext(rank=rank, world_size=world, device=torch.device("cpu"), backend="gloo")
+    try:
+        train(ctx, cfg, hooks, resume=True)
+    except IntegrityError as e:
+        return {"kind": e.kind, "step": e.step, "ranks": e.ranks, "evidence": e.evidence,
+                "accepted": accepted}
+    return {"accepted": accepted}
+
+
+@pytest.mark.parametrize("layout", [{"dp": 2}, {"dp": 2, "zero_stage": 1}], ids=["snapshot", "restart"])
+def test_a_spike_a_faulty_device_reproduces_is_the_devices_not_the_datas(layout, tmp_path) -> None:
+    """A persistent fault reproduces its spike on every re-run on the same device, as data would;
+    its batch computed on the DP peer's device does not (training.integrity.swap): the rank is named,
+    persistent, and the step does not stand. With a snapshot the re-run says so at once; without one
+    the restart re-runs the step (after the first failure blamed nobody) and says so then."""
+    seen: dict[int, dict[int, float]] = {}
+    out = run_ranks(2, _faulty_device, (layout, str(tmp_path), seen))
+    if layout.get("zero_stage"):  # no snapshot: nobody blamed yet, the norms go to the restart
+        assert "transient" not in out[0]["evidence"], out[0]
+        seen = {out[0]["step"]: {int(r): v for r, v in out[0]["evidence"]["grad_norms_local"].items()}}
+        out = run_ranks(2, _faulty_device, (layout, str(tmp_path), seen))
+    assert out[0] == out[1], out  # agreed on every rank
+    failed = out[0]
+    assert failed.get("step") == FAULT_STEP and failed["kind"] == "grad_norm_outlier", failed
+    ev = failed["evidence"]
+    assert failed["ranks"] == [1] and ev["transient"] is False and ev["local_reproduced"] is True, ev
+    assert ev["swap"]["follows_data"] is False and FAULT_STEP not in failed["accepted"], ev
+    own, peer = ev["swap"]["norms"]["1"]["own"], ev["swap"]["norms"]["1"]["peer"]
+    assert own > 100 * peer  # rank 1's batch: spiked on its own device, ordinary on rank 0's
+
+
+def _overflowing_batch(rank: int, world: int, ckpt: str) -> dict:
+    """Rank 1's batch at step FAULT_STEP overflows its own gradient on any device (its loss is
+    finite): the data's, as a pathological sample in low precision would be."""
+    import torch
+
+    from training.config.run import CheckpointConfig
+    from training.data.sources import make_data_source
+    from training.hooks import TrainHooks
+    from training.integrity.detectors import IntegrityError
+    from training.model.transformer import Transformer
+    from training.parallel.dist import DistContext
+    from training.train import train
+
+    cfg = RunConfig(model=SPEC, layout=Layout(dp=2), steps=6,
+                    checkpoint=CheckpointConfig(dir=ckpt, every_steps=2))
+    bad = make_data_source(cfg.data, cfg.model, cfg.global_batch).batch(FAULT_STEP, 1, 2)[1]
+    loss = Transformer.loss
+
+    def overflowing(self, logits, targets):
+        if logits.requires_grad and any(torch.equal(t, b) for t in targets for b in bad):
+            logits.register_hook(lambda g: g * float("inf"))
+        return loss(self, logits, targets)
+
+    Transformer.loss = overflowing
+
+    class Hooks(TrainHooks):
+        def on_integrity_error(self, error):
+            raise error
+
+    ctx = DistContext(rank=rank, world_size=world, device=torch.device("cpu"), backend="gloo")
+    try:
+        train(ctx, cfg, Hooks(), resume=False)
+    except IntegrityError as e:
+        return {"kind": e.kind, "step": e.step, "ranks": e.ranks, "evidence": e.evidence}
+    return {}
+
+
+def test_a_non_finite_gradient_one_rank_s_batch_gives_on_any_device_is_the_jobs(tmp_path) -> None:
+    """One rank's local gradient is non-finite and the re-run reproduces it: the swap probe computes
+    that batch on the DP peer's device, non-finite again, so the batch is at fault, not the device:
+    the evidence says diverged (the controller fails the job and quarantines nothing)."""
+    from workers.controller.attempt import Attempt
+    from workers.controller.classify import FailureHistory, classify
+    from workers.policies import Failure, FailureClass, FailureKind
+
+    out = run_ranks(2, _overflowing_batch, (str(tmp_path),))
+    assert [(o.get("step"), o.get("ranks")) for o in out] == [(FAULT_STEP, [1])] * 2, out
+    ev = out[0]["evidence"]
+    assert ev["swap"]["follows_data"] is True and ev["diverged"]["ranks"] == [1], ev
+    failure = Failure(FailureKind.SDC, "nonfinite", tuple(out[0]["ranks"]), ("n1",), FAULT_STEP, evidence={
+        "error_kind": out[0]["kind"], "step": FAULT_STEP, "evidence": ev})
+    attempt = Attempt(rank_node={0: "n0", 1: "n1"})
+    assert classify(failure, attempt, FailureHistory()).failure_class == FailureClass.JOB_ERROR
+
+
+def _probed_run(rank: int, world: int, layout: dict, probe_at: int | None) -> dict:
+    """Train 4 steps; with `probe_at`, the restart's swap probe runs before that step (as when a
+    restart re-runs a spike there) and its result is kept."""
+    import torch
+
+    import training.integrity.settle as settle
+    from training.hooks import TrainHooks
+    from training.parallel.dist import DistContext
+    from training.train import train
+
+    results = []
+    probe = settle.swap.probe
+    settle.swap.probe = lambda trainer, step: results.append(probe(trainer, step)) or results[-1]
+    hooks = TrainHooks()
+    hooks.rerun_spikes = {probe_at: {0: 1.0}} if probe_at else None
+    ctx = DistContext(rank=rank, world_size=world, device=torch.device("cpu"), backend="gloo")
+    model = ModelSpec(layers=2, hidden=32, heads=2, vocab=64, seq_len=16)  # two pipeline stages
+    result = train(ctx, RunConfig(model=model, layout=Layout(**layout), steps=4), hooks, resume=False)
+    return {"digest": result.model_digest, "probes": results}
+
+
+@pytest.mark.parametrize("layout", [
+    {"dp": 2, "zero_stage": 1},
+    {"dp": 2, "tp": 2},
+    {"dp": 2, "pp": 2, "schedule": "1f1b", "num_microbatches": 2},
+], ids=["zero1", "tp2", "pp2-1f1b"])
+def test_the_swap_probe_gives_each_batch_the_same_norm_on_its_peer_and_leaves_no_trace(layout) -> None:
+    """Each rank's batch computed by its DP predecessor gives the norm the rank got (the probe's
+    premise, in layouts whose ranks hold shards of TP or pipeline stages), and training after the
+    probe ends with the weights of a run without it."""
+    world = 2 * layout.get("tp", 1) * layout.get("pp", 1)
+    probed = run_ranks(world, _probed_run, (layout, 3))
+    clean = run_ranks(world, _probed_run, (layout, None))
+
+    for out in probed:
+        assert len(out["probes"]) == 1 and swap.follows_data(out["probes"][0], range(world)), out["probes"]
+        assert all(own > 0 for own, _ in out["probes"][0].values())
+    assert [o["digest"] for o in probed] == [o["digest"] for o in clean]

@@ -222,6 +222,30 @@ def test_a_gradient_spike_no_re_run_confirmed_blames_nobody_and_recurring_is_the
     assert_nobody_blamed(sm)
 
 
+def test_a_spike_the_restart_reproduced_only_on_the_same_device_is_a_persistent_fault():
+    """The restart (nobody blamed, the same nodes) re-ran the spike; the ranks' swap probe computed
+    rank 2's batch on its DP peer's device and got another norm: the spike follows the device, not
+    the data. Not the job's (though it recurred): rank 2's node is quarantined and the job restarts."""
+    sm, wg, _ = to_running()
+    node = sm.attempt.rank_node[2]
+    spike = {"kind": "integrity_error", "error_kind": "grad_norm_outlier", "step": 7, "ranks": [2],
+             "evidence": {"grad_norms_local": {"2": 4.05e4}}, "message": "outlier"}
+    everyone = {r: "failed" for r in range(WORLD)}
+    wg.push(running(WORLD, state=everyone, events={r: [dict(spike, rank=r)] for r in range(WORLD)}))
+    assert sm.step().to_state == S.RECOVERING
+    assert_nobody_blamed(sm)
+    drive(sm, S.RUNNING)
+    settled = dict(spike, evidence={**spike["evidence"], "local_reproduced": True, "transient": False,
+                                    "attribution": "the restart re-ran it; the batch on a DP peer's device "
+                                    "gave another norm", "swap": {"follows_data": False, "norms": {
+                                        "2": {"own": 4.05e4, "peer": 3.9}}}})
+    wg.push(running(WORLD, state=everyone, events={r: [dict(settled, rank=r)] for r in range(WORLD)}))
+    assert sm.step().to_state == S.RECOVERING
+    failure = event(sm, "failure")
+    assert failure["classification"] == "infrastructure" and "persistent" in failure["classification_reason"]
+    assert sm.quarantined_nodes == [node], failure
+
+
 @pytest.mark.parametrize("changed", [False, True], ids=["same-norms", "changed-norms"])
 def test_a_restarts_re_run_of_a_spike_blames_the_first_nodes_only_when_the_norms_changed(changed):
     """The restart re-ran the spike's step and no check fired: the same norms are the data's (logged,

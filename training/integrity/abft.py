@@ -104,6 +104,11 @@ class GradABFT:
             h.remove()
         self._handles.clear()
 
+    def discard(self) -> None:
+        """Forget the passes recorded since the last `verify` (a probe's, training.integrity.swap)."""
+        self._expected = {}
+        self._input_norms = (None, None)
+
     def _on_forward(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return

@@ -12,12 +12,13 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from training.config.run import RunConfig
+from training.integrity import swap
 from training.integrity.attribution import StepSnapshot, rerun_verdict
 from training.integrity.detectors import IntegrityError
 from training.integrity.fingerprint import FingerprintVote
 from training.integrity.gradient import GRAD_CHECK_KINDS
 from training.integrity.referee import referee_snapshot_path, referee_supported, save_referee_snapshot
-from training.parallel.dist import DistContext
+from training.parallel.dist import DistContext, gather_object
 from training.parallel.precision import masters_in_place
 
 
@@ -32,13 +33,6 @@ class RerunnableTrainer(Protocol):
     rerun_local: tuple[float, bool] | None  # the local gradient check's report on the re-run
 
     def train_step(self, step: int, rerun: bool = False) -> tuple[float, list[int]]: ...
-
-
-def gather_object(value: Any) -> list[Any]:
-    """`value` from every rank of the world, in rank order."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
 
 
 def shared_error(error: IntegrityError | None,
@@ -59,8 +53,20 @@ def shared_error(error: IntegrityError | None,
     return IntegrityError(kind, step, ranks, evidence), found
 
 
+def _json_num(value: Any) -> Any:
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value  # no NaN in JSON
+
+
 def _finite(value: Any) -> bool:
     return isinstance(value, float) and math.isfinite(value)
+
+
+# The statistical gradient checks: a local norm far above its own history, or far above the DP
+# peers' (one rank's micro-batch can be that odd): the data itself can produce both. Reproduced to
+# the bit, on other devices too (training.integrity.swap), they are the data's; an exact check (the
+# bucket checksum, ABFT) or a replica vote that reproduces is not. (workers.controller.classify
+# keeps the same list.)
+STATISTICAL_KINDS = ("grad_norm_spike", "grad_norm_outlier")
 
 
 _LOCAL_KINDS = ("grad_norm_spike", "nonfinite", *GRAD_CHECK_KINDS)
@@ -74,6 +80,8 @@ def rerun_attribution(
     first = trainer.last_vote
     with masters_in_place(trainer.optimizers):
         trainer.snapshot.restore()  # type: ignore[union-attr]
+    spiked = _swap_ranks(found, dist.get_world_size())
+    probed = swap.probe(trainer, step) if spiked and swap.supported(trainer.cfg.layout) else None
     rerun_loss, _ = trainer.train_step(step, rerun=True)
     rerun_vote = trainer.pending_vote if first is not None else None
     mine: dict[str, Any] = {"rank": trainer.ctx.rank}
@@ -99,17 +107,28 @@ def rerun_attribution(
     local_named = sorted({r for kind, _, ranks, _ in found if kind in _LOCAL_KINDS for r in ranks})
     if local_named:
         again = {res["rank"] for res in results if res.get("local", (0.0, False))[1]}
-        evidence["local_rerun"] = {str(res["rank"]): res.get("local", (None,))[0] for res in results}
+        evidence["local_rerun"] = {str(res["rank"]): _json_num(res.get("local", (None,))[0])
+                                   for res in results}
         evidence["local_reproduced"] = set(local_named) <= again  # every named rank spiked again
         if len(local_named) < dist.get_world_size():
             culprits.update(local_named)
             transient = transient and not again & set(local_named)
+    if probed is not None:  # the same batches on other devices (training.integrity.swap)
+        evidence["swap"] = swap.evidence(probed, spiked)
+        if evidence.get("local_reproduced") and not evidence["swap"]["follows_data"]:
+            culprits.update(spiked)  # reproduced on the same device only: that device's, every time
+            transient = False
+            evidence["attribution"] += "; the batch on a DP peer's device gave another norm"
     if not culprits:
         culprits = set(shared.ranks)
     evidence["transient"] = transient
     evidence["reproduced"] = not transient
     evidence["rerun_loss"] = rerun_loss if math.isfinite(rerun_loss) else str(rerun_loss)
     diverged = diverged_again(shared, found, rerun_loss, results, dist.get_world_size())
+    if diverged is None and evidence.get("local_reproduced") and (evidence.get("swap") or {}).get(
+            "follows_data") and _nonfinite_ranks(found):  # the batches' own: any device gives it
+        diverged = {"what": "local gradient norm", "value": "nan or inf", "step": shared.step,
+                    "ranks": _nonfinite_ranks(found), "on": "the rank's device and its DP peer's alike"}
     if diverged is not None:
         evidence["diverged"] = diverged
     if referee is not None and not transient:
@@ -117,11 +136,18 @@ def rerun_attribution(
     return IntegrityError(shared.kind, step, sorted(culprits), evidence)
 
 
-# The statistical gradient checks: a local norm far above its own history, or far above the DP
-# peers' (one rank's micro-batch can be that odd): the data itself can produce both. Reproduced to
-# the bit, they are the data's; an exact check (the bucket checksum, ABFT) or a replica vote that
-# reproduces is not. (workers.controller.classify keeps the same list.)
-STATISTICAL_KINDS = ("grad_norm_spike", "grad_norm_outlier")
+def _nonfinite_ranks(found: list[tuple]) -> list[int]:
+    """The ranks whose own local gradient was non-finite (a non-finite loss is the global mean's)."""
+    return sorted({r for kind, _, ranks, ev in found if kind == "nonfinite" and "loss" not in (ev or {})
+                   for r in ranks})
+
+
+def _swap_ranks(found: list[tuple], world: int) -> list[int]:
+    """The ranks whose reproduced result the swap probe places on the data or the device: those a
+    statistical check named, and those with a non-finite local gradient when not every rank had one."""
+    spiked = {r for kind, _, ranks, _ in found if kind in STATISTICAL_KINDS for r in ranks}
+    nonfinite = set(_nonfinite_ranks(found))
+    return sorted(spiked | (nonfinite if len(nonfinite) < world else set()))
 
 
 def data_spike(error: IntegrityError, found: list[tuple]) -> bool:
@@ -129,7 +155,8 @@ def data_spike(error: IntegrityError, found: list[tuple]) -> bool:
     from the snapshot (the same on every rank: `error` is `rerun_attribution`'s agreed result)."""
     ev = error.evidence or {}
     return (bool(found) and all(kind in STATISTICAL_KINDS for kind, *_ in found)
-            and ev.get("local_reproduced") is True and not ev.get("votes") and "diverged" not in ev)
+            and ev.get("local_reproduced") is True and not ev.get("votes") and "diverged" not in ev
+            and (ev.get("swap") or {}).get("follows_data", True))
 
 
 def diverged_again(shared: IntegrityError, found: list[tuple], rerun_loss: float,

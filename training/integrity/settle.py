@@ -7,7 +7,10 @@ its own history or its DP peers') fails the attempt, the controller blames nobod
 from the checkpoint with the step and each named rank's local norm (`TrainHooks.rerun_spikes`):
 the restart is the re-run. Steps are deterministic, so
 
-- the same norms on the same ranks, to the bit: the data's; the step stands, training goes on;
+- the same norms on the same ranks, to the bit, and the same batches on other devices give the
+  same norms too (training.integrity.swap, run before the step): the data's; the step stands,
+  training goes on;
+- the same norms, but not on another device: a persistent fault of the named ranks' devices;
 - different norms: the first attempt's values were corrupted, a transient fault of the named
   ranks' hardware at the time (the controller counts it against their nodes then).
 """
@@ -18,15 +21,16 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from training.integrity import swap
 from training.integrity.detectors import IntegrityError
 from training.integrity.rerun import (
     STATISTICAL_KINDS,
     RerunnableTrainer,
     data_spike,
-    gather_object,
     rerun_attribution,
     shared_error,
 )
+from training.parallel.dist import gather_object
 
 Seen = Mapping[int, Mapping[int, float]]  # step -> {rank: local gradient norm}, as the failed attempt saw
 
@@ -55,8 +59,22 @@ def attribute(trainer: RerunnableTrainer, step: int, error: IntegrityError | Non
     if (before and all(kind in STATISTICAL_KINDS for kind, *_ in found)
             and now == {int(r): float(v) for r, v in before.items()}):
         evidence = {**shared.evidence, "local_reproduced": True, "attribution": "the restart re-ran it"}
+        probed = getattr(trainer, "swapped", {}).get(step)
+        if probed is not None:
+            evidence["swap"] = swap.evidence(probed, sorted(now))
+            if not evidence["swap"]["follows_data"]:  # the same device again, not the batch
+                evidence.update(transient=False, reproduced=True, attribution="the restart re-ran it; the "
+                                "batch on a DP peer's device gave another norm")
+                return IntegrityError(shared.kind, step, sorted(now), evidence), False
         return IntegrityError(shared.kind, step, shared.ranks, evidence), True
     return shared, False
+
+
+def probe_rerun(trainer: Any, step: int, seen: Seen | None) -> None:
+    """Before a step the restart re-runs (`seen`): its batches on other devices, for `attribute`
+    (training.integrity.swap; every rank calls it)."""
+    if step in (seen or {}) and swap.supported(trainer.cfg.layout):
+        trainer.swapped = {step: swap.probe(trainer, step)}
 
 
 def rerun_check(trainer: Any, before: Mapping[int, float]) -> tuple[list[int], list[int]]:

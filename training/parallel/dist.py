@@ -26,6 +26,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -181,6 +182,13 @@ def shutdown() -> None:
         dist.destroy_process_group()
     gc.collect()
     time.sleep(_RETIRE_S)
+
+
+def gather_object(value: Any) -> list[Any]:
+    """`value` from every rank of the world, in rank order."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def agree_flags(flags: list[bool], device: torch.device) -> list[bool]:

@@ -9,7 +9,8 @@ A failure is one of three classes (`workers.policies.FailureClass`), decided fro
   (training.integrity.rerun `diverged`), an integrity failure of every rank at the same step again.
   The job fails at once with the reason and the rank's traceback; no node is blamed.
 - *infrastructure*: actor or node death, hang, straggler, collective errors and timeouts, a damaged
-  checkpoint, an SDC that singles out ranks: restart, and count against the node.
+  checkpoint, an SDC that singles out ranks (also a reproduced one whose batches gave other results
+  on the DP peers' devices: training.integrity.swap): restart, and count against the node.
 - *unknown*: anything else (an exception seen once): restart within the budget, blame nobody; if
   it recurs identically on the next attempt it is a job error.
 
@@ -125,6 +126,13 @@ def _decide_sdc(failure: Failure, attempt: Attempt, recurred: bool) -> tuple[Fai
     if isinstance(diverged, dict):
         return FailureClass.JOB_ERROR, (f"diverged, reproduced: {diverged.get('what', 'loss')} is "
                                         f"{diverged.get('value', 'nan')} at step {step} on re-run")
+    swapped = ev.get("swap") or {}
+    if swapped.get("follows_data") is False and failure.ranks:
+        # Reproduced on the named ranks' devices and not on their DP peers' (training.integrity.swap):
+        # a persistent fault of those devices, whether or not the restart kept them (nobody was blamed
+        # before the restart that re-ran a statistical check).
+        return FailureClass.INFRASTRUCTURE, (f"{kind} at step {step} on rank(s) {list(failure.ranks)}, "
+                                             "reproduced on their devices only: persistent")
     if recurred and failure.ranks and len(failure.ranks) < len(attempt.rank_node):
         # The same check at the same step again, after the restart that kept the blamed node out:
         # it followed the job, not a node (no second node is quarantined for the job's data).
