@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from training.integrity.fingerprint import find_divergent_replicas, param_fingerprint
+from training.integrity.history import load_local_history, local_history
 from training.parallel.precision import masters_in_place, plain_optimizer
 from training.parallel.zero import ShardedOptimizer
 
@@ -53,6 +54,7 @@ class KeptState:
     data: dict[str, Any] = field(default_factory=dict)
     # ZeRO-1 with shadow shards: per parameter, the shadow's slots (those of the successor's shard)
     shadow: list[dict[str, Any]] = field(default_factory=list)
+    checks: dict[str, Any] = field(default_factory=dict)  # the integrity checks' histories
 
     @property
     def nbytes(self) -> int:
@@ -63,7 +65,7 @@ class KeptState:
     def for_successor(self) -> KeptState:
         """What a ZeRO-1 rank sends the replacement of the rank it shadows: its shadow is that
         rank's own shard (the replacement's shadow comes from its owner at the first step)."""
-        return KeptState(self.step, self.params, self.shadow, self.data)
+        return KeptState(self.step, self.params, self.shadow, self.data, checks=self.checks)
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,7 @@ def capture(trainer: Any) -> KeptState:
         values = [_local(p).detach() for p in params]
     # The data position of the kept step: a rank failing inside the next step has read its batch.
     data = trainer.data.state_dict(after_step=trainer.step)
-    return KeptState(trainer.step, values, optim, data, shadow)
+    return KeptState(trainer.step, values, optim, data, shadow, local_history(trainer))
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -165,6 +167,7 @@ def _install(trainer: Any, kept: KeptState) -> None:
                 owner[p].state[p] = {k: _like(p, v.to(device) if v.dim() else v)
                                      if isinstance(v, torch.Tensor) else v for k, v in slots.items()}
     trainer.data.load_state_dict(kept.data)
+    load_local_history(trainer, kept.checks)  # the checks go on from the same "normal"
     trainer.step = kept.step
 
 
@@ -179,7 +182,7 @@ def _meta(kept: KeptState) -> dict[str, Any]:
         if isinstance(v, torch.Tensor):
             return ("tensor", tuple(v.shape), str(v.dtype).removeprefix("torch."), v.device.type)
         return ("value", v)
-    return {"step": kept.step, "data": kept.data,
+    return {"step": kept.step, "data": kept.data, "checks": kept.checks,
             "params": [describe(t) for t in kept.params],
             "optim": [{k: describe(v) for k, v in slots.items()} for slots in kept.optim]}
 
@@ -211,7 +214,8 @@ def recv_state(trainer: Any, src: int) -> KeptState:
 
     params = [alloc(d) for d in meta["params"]]
     optim = [{k: alloc(d) for k, d in slots.items()} for slots in meta["optim"]]
-    kept = KeptState(int(meta["step"]), params, optim, dict(meta["data"]))
+    kept = KeptState(int(meta["step"]), params, optim, dict(meta["data"]),
+                     checks=dict(meta.get("checks") or {}))
     for t in _tensors(kept):
         if t.device == device:
             dist.recv(t, src=src)
