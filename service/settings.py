@@ -94,7 +94,8 @@ class Settings(BaseSettings):
         False, description="Act on the `faults` list of job specs (testing only; off in production)."
     )
     heartbeat_timeout_s: float = Field(
-        10.0, gt=0, description="A rank silent for this long is treated as hung (default for job specs)."
+        10.0, gt=0, description="A rank silent for this long (or for 5 of the job's median step times, if "
+        "longer) is treated as hung (default for job specs)."
     )
     spares_per_job: int = Field(
         0, ge=0, le=64, description="Warm spare rank actors kept beside each running job, outside its "

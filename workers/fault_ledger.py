@@ -195,6 +195,10 @@ class StragglerWatch:
     def reset(self, world: int) -> None:
         self.world, self.arrivals, self.streak, self.lags = world, {}, (None, 0), []
 
+    def typical_step_s(self) -> float:
+        """The median of rank 0's last 20 step times (0 before the first)."""
+        return statistics.median(self.step_times[-20:]) if self.step_times else 0.0
+
     def arrive(self, step: int, rank: int, t: float) -> dict[str, Any] | None:
         row = self.arrivals.setdefault(step, {})
         row[rank] = t
@@ -205,7 +209,7 @@ class StragglerWatch:
             del self.arrivals[old]
         last = max(row, key=row.__getitem__)
         lag = row[last] - min(row.values())
-        median = statistics.median(self.step_times[-20:]) if self.step_times else 0.0
+        median = self.typical_step_s()
         if lag > max(self.min_lag_s, self.factor * median):
             rank, count = self.streak
             self.streak = (last, count + 1 if rank == last else 1)

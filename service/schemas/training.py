@@ -174,7 +174,8 @@ class PreemptionPolicy(StrictModel):
 class FaultTolerancePolicy(StrictModel):
     max_restarts: int = Field(3, ge=0, le=1000, description="Restarts before the job is failed.")
     heartbeat_timeout_s: float | None = Field(
-        None, gt=0, le=86_400, description="A rank silent this long is hung; unset = the service default."
+        None, gt=0, le=86_400, description="A rank silent this long (or 5 median step times, if longer) is "
+        "hung; unset = the service default."
     )
     sdc_check_every: int = Field(
         1, ge=0, le=MAX_COUNT, description="Replica fingerprint check period; 0 = off."

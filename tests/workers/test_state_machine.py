@@ -299,6 +299,22 @@ def test_hang_is_detected_by_the_heartbeat_timeout_and_blamed_on_the_rank_that_s
     assert sorted(failure["evidence"]["stale_ranks"]) == [0, 1, 2, 3]
 
 
+def test_a_job_whose_steps_outlast_the_heartbeat_timeout_is_not_hung_until_several_steps_pass():
+    """A rank reports progress about once a step: with steps of 20 s (a big model, a loaded host)
+    the 60 s heartbeat timeout would call every slow step a hang. The limit becomes
+    `hang_step_factor` (5) median step times: 100 s here."""
+    sm, wg, _ = to_running()
+    wg.push(running(4, events=step_events(4, 1, 4.0, step_time_s=20.0)))
+    assert sm.step() is None
+    wg.push(running(4, since_progress_s={r: 90.0 for r in range(4)}))
+    assert sm.step() is None  # past the heartbeat timeout, within five typical steps
+    late = {0: 101.0, 1: 101.0, 2: 130.0, 3: 101.0}
+    wg.push(running(4, step={0: 2, 1: 2, 2: 1, 3: 2}, since_progress_s=late))
+    assert sm.step().to_state == S.RECOVERING
+    failure = [e for e in sm.events if e["kind"] == "failure"][0]["failure"]
+    assert failure["kind"] == "hang" and failure["ranks"] == [2], failure
+
+
 def test_startup_timeout_applies_until_a_rank_made_its_first_step():
     sm, wg, _ = to_running()
     wg.push(running(4, stepped={r: False for r in range(4)}, since_progress_s={0: 200.0}))

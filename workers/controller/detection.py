@@ -30,14 +30,19 @@ DETECTED_BY: dict[FailureKind, str] = {
 }
 
 
-def progress_timeout(options: ControllerOptions, stepped: bool, saving: bool) -> float:
-    """How long a running rank may go without progress before it counts as hung."""
+def progress_timeout(options: ControllerOptions, stepped: bool, saving: bool, step_s: float = 0.0) -> float:
+    """How long a running rank may go without progress before it counts as hung. A rank reports
+    progress about once a step, so a job whose steps take longer than the heartbeat timeout (a big
+    model, a loaded host) gets `hang_step_factor` typical steps (`step_s`, the median of the recent
+    ones), short of the ranks' collective timeout, which must not fire first."""
     if not stepped:
         return options.startup_timeout_s
+    limit = max(options.hang_timeout_s,
+                min(options.hang_step_factor * step_s, options.collective_timeout_s - 60.0))
     # A save runs between two steps and may outlast the heartbeat timeout.
     if saving:
-        return max(options.hang_timeout_s, options.checkpoint_timeout_s)
-    return options.hang_timeout_s
+        return max(limit, options.checkpoint_timeout_s)
+    return limit
 
 
 def death(
@@ -106,9 +111,11 @@ def detect(
     step: Any,
     node_gone: Callable[[str], bool],
     found_straggler: Mapping[str, Any] | None,
+    step_s: float = 0.0,
 ) -> Failure | None:
     """The failure this poll shows, if any, the most certain first. Starts the attempt's grace
-    period (`attempt.failed_since`) when ranks failed while others are unresponsive."""
+    period (`attempt.failed_since`) when ranks failed while others are unresponsive. `step_s`: the
+    job's typical step time (progress_timeout)."""
     dead = status.in_state("dead")
     if dead:
         return death(dead, status, attempt, node_gone, step)
@@ -138,10 +145,10 @@ def detect(
         return Failure(FailureKind.HANG, f"rank(s) {silent} unresponsive for over {limit:.0f}s",
                        tuple(silent), attempt.nodes(silent), step)
     saving = attempt.ckpt_open is not None
-    stale = [r for r, s in status.ranks.items()
-             if s.state == "running" and s.since_progress_s > progress_timeout(options, s.stepped, saving)]
+    stale = [r for r, s in status.ranks.items() if s.state == "running"
+             and s.since_progress_s > progress_timeout(options, s.stepped, saving, step_s)]
     if stale:
-        return hang(stale, status, attempt, progress_timeout(options, True, saving), step)
+        return hang(stale, status, attempt, progress_timeout(options, True, saving, step_s), step)
     if found_straggler is not None:
         return straggler(found_straggler, attempt, step)
     return None

@@ -266,7 +266,8 @@ class ControllerStateMachine:
         ingest.ingest(self, status, now)
         self._blame_transients()
         failure = detection.detect(status, now, self.attempt, self.options, self.job.progress["step"],
-                                   self._node_gone, self.recovery.straggler)
+                                   self._node_gone, self.recovery.straggler,
+                                   self.books.straggler.typical_step_s())
         if failure is not None:
             if failure.kind == FailureKind.STRAGGLER:
                 self.recovery.straggler = None

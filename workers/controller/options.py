@@ -13,7 +13,8 @@ from workers.rank import DEFAULT_TRAIN_FN
 @dataclass(frozen=True)
 class ControllerOptions:
     poll_interval_s: float = 0.5
-    hang_timeout_s: float = 60.0  # no progress from a rank after its first step (seconds)
+    hang_timeout_s: float = 60.0  # no progress from a rank after its first step (seconds)...
+    hang_step_factor: float = 5.0  # ...or this many typical (median recent) step times, if longer
     startup_timeout_s: float = 300.0  # before a rank's first step: imports, model build, rendezvous
     checkpoint_timeout_s: float = 600.0  # no-progress limit while a checkpoint is being saved
     reserve_timeout_s: float = 30.0
