@@ -315,6 +315,24 @@ def test_a_job_whose_steps_outlast_the_heartbeat_timeout_is_not_hung_until_sever
     assert failure["kind"] == "hang" and failure["ranks"] == [2], failure
 
 
+def test_a_rank_that_misses_polls_in_a_slow_job_gets_the_same_longer_limit():
+    """An actor that does not answer polls (its process starved on a loaded host) is hung after
+    the same limit: the heartbeat timeout or five typical steps."""
+    sm, wg, clock = to_running()
+    wg.push(running(4, events=step_events(4, 1, 4.0, step_time_s=20.0)))
+    assert sm.step() is None
+    wg.push(running(4, state={2: "unresponsive"}))
+    assert sm.step() is None
+    clock.advance(90)  # past the heartbeat timeout (60 s), within five steps of 20 s
+    wg.push(running(4, state={2: "unresponsive"}))
+    assert sm.step() is None
+    clock.advance(11)
+    wg.push(running(4, state={2: "unresponsive"}))
+    assert sm.step().to_state == S.RECOVERING
+    failure = [e for e in sm.events if e["kind"] == "failure"][0]["failure"]
+    assert failure["kind"] == "hang" and failure["ranks"] == [2] and "over 100s" in failure["message"]
+
+
 def test_startup_timeout_applies_until_a_rank_made_its_first_step():
     sm, wg, _ = to_running()
     wg.push(running(4, stepped={r: False for r in range(4)}, since_progress_s={0: 200.0}))

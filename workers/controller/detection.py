@@ -138,10 +138,10 @@ def detect(
         return death(gone, status, attempt, node_gone, step)
     # A rank that has not stepped in this attempt is starting (a fresh actor importing torch may not
     # answer a poll for a while on a loaded node): the start-up timeout applies to it, as to its progress.
-    silent = [r for r in unresponsive
-              if now - attempt.last_seen.get(r, now) > progress_timeout(options, r in attempt.stepped, False)]
+    silent = [r for r in unresponsive if now - attempt.last_seen.get(r, now)
+              > progress_timeout(options, r in attempt.stepped, False, step_s)]
     if silent:
-        limit = progress_timeout(options, all(r in attempt.stepped for r in silent), False)
+        limit = progress_timeout(options, all(r in attempt.stepped for r in silent), False, step_s)
         return Failure(FailureKind.HANG, f"rank(s) {silent} unresponsive for over {limit:.0f}s",
                        tuple(silent), attempt.nodes(silent), step)
     saving = attempt.ckpt_open is not None
