@@ -58,7 +58,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from training.integrity.detectors import IntegrityError
+from training.integrity.detectors import IntegrityError, json_number
 from training.model.transformer import RMSNorm
 
 # Higham & Mary's lambda (P(one sum exceeds) <= 2 exp(-8) in their model, which ignores the
@@ -182,7 +182,7 @@ class GradABFT:
             if bool(bad.any()):
                 col = int(bad.nonzero()[0])
                 self.error = IntegrityError("grad_abft", step, [rank], {
-                    "layer": name, "column": col, "difference": _num(float(d[col])),
+                    "layer": name, "column": col, "difference": json_number(float(d[col])),
                     "tolerance": float(t[col]), "columns_off": int(bad.sum()),
                     "where": "weight gradient vs its Huang-Abraham checksum, before the reduction"})
                 return self.error
@@ -256,5 +256,3 @@ def _pass_scales(parts: list[Any]) -> list[torch.Tensor]:
     return out
 
 
-def _num(v: float) -> float | str:
-    return v if v == v and abs(v) != float("inf") else str(v)

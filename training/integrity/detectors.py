@@ -38,6 +38,12 @@ def _this_rank() -> list[int]:
     return [dist.get_rank()] if dist.is_available() and dist.is_initialized() else []
 
 
+def json_number(value: Any) -> Any:
+    """`value` as an integrity error's evidence stores it: a non-finite float as its string (JSON,
+    and PostgreSQL's JSON, have no NaN or infinity); anything else unchanged."""
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def _as_float(value: torch.Tensor | float) -> float:
     return float(value.detach().float().item()) if isinstance(value, torch.Tensor) else float(value)
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from training.integrity.detectors import IntegrityError
+from training.integrity.detectors import IntegrityError, json_number
 
 log = logging.getLogger(__name__)
 
@@ -199,21 +199,21 @@ class GradientAudit:
                                | set(norm_outliers(maxes, self.max_factor)))
                 if named:
                     return IntegrityError("grad_norm_outlier", self.step, [self.ranks[r] for r in named], {
-                        "bucket": i, "norms": [_num(v) for v in norms], "max_abs": [_num(v) for v in maxes],
+                        "bucket": i, "norms": [json_number(v) for v in norms],
+                        "max_abs": [json_number(v) for v in maxes],
                         "factor": self.norm_factor, "max_factor": self.max_factor, "dp_group": self.ranks,
                         "where": "local gradient norm against the data-parallel peers, before the reduction"})
             if self.checksum:
                 bad = checksum_mismatches(local, [table[r][i][_STATS] for r in range(world)], world, dtype)
                 if bad:
                     return IntegrityError("grad_checksum", self.step, [self.ranks[r] for r, _, _ in bad], {
-                        "bucket": i, "difference": [_num(d) for _, d, _ in bad], "tolerance": bad[0][2],
+                        "bucket": i, "difference": [json_number(d) for _, d, _ in bad],
+                        "tolerance": bad[0][2],
                         "dp_group": self.ranks, "every_rank": len(bad) == world,
                         "where": "sum of the reduced bucket against the ranks' local checksums"})
         return None
 
 
-def _num(v: float) -> float | str:
-    return v if math.isfinite(v) else str(v)
 
 
 def attach_gradient_audits(modules: Sequence[nn.Module], audit: Any, injector: Any = None,

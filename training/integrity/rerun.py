@@ -14,7 +14,7 @@ import torch.distributed as dist
 from training.config.run import RunConfig
 from training.integrity import swap
 from training.integrity.attribution import StepSnapshot, rerun_verdict
-from training.integrity.detectors import IntegrityError
+from training.integrity.detectors import IntegrityError, json_number
 from training.integrity.fingerprint import FingerprintVote
 from training.integrity.gradient import GRAD_CHECK_KINDS
 from training.integrity.referee import referee_snapshot_path, referee_supported, save_referee_snapshot
@@ -51,10 +51,6 @@ def shared_error(error: IntegrityError | None,
     if norms:  # for a restart with no snapshot to compare (training.integrity.settle)
         evidence = {**evidence, "grad_norms_local": norms}
     return IntegrityError(kind, step, ranks, evidence), found
-
-
-def _json_num(value: Any) -> Any:
-    return str(value) if isinstance(value, float) and not math.isfinite(value) else value  # no NaN in JSON
 
 
 def _finite(value: Any) -> bool:
@@ -107,7 +103,7 @@ def rerun_attribution(
     local_named = sorted({r for kind, _, ranks, _ in found if kind in _LOCAL_KINDS for r in ranks})
     if local_named:
         again = {res["rank"] for res in results if res.get("local", (0.0, False))[1]}
-        evidence["local_rerun"] = {str(res["rank"]): _json_num(res.get("local", (None,))[0])
+        evidence["local_rerun"] = {str(res["rank"]): json_number(res.get("local", (None,))[0])
                                    for res in results}
         evidence["local_reproduced"] = set(local_named) <= again  # every named rank spiked again
         if len(local_named) < dist.get_world_size():

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from training.config.layout import Layout
+from training.integrity.detectors import json_number
 from training.parallel.dist import gather_object
 from training.parallel.optim import no_grad_sync
 from training.parallel.wrapping import local_tensor
@@ -59,11 +60,10 @@ def follows_data(result: Probe, ranks: Collection[int]) -> bool:
 
 def evidence(result: Probe, ranks: Collection[int]) -> dict[str, Any]:
     return {"follows_data": follows_data(result, ranks),
-            "norms": {str(r): {"own": _num(result[r][0]), "peer": _num(result[r][1])} for r in sorted(ranks)}}
+            "norms": {str(r): {"own": json_number(result[r][0]), "peer": json_number(result[r][1])}
+                      for r in sorted(ranks)}}
 
 
-def _num(v: float) -> float | str:
-    return v if math.isfinite(v) else str(v)  # JSON (and PostgreSQL) have no NaN
 
 
 def _same(a: float, b: float) -> bool:
