@@ -35,6 +35,10 @@ from workers.spares import JobSpares
 from workers.topology import Topology
 
 log = logging.getLogger(__name__)
+# How long a surviving rank may take to leave the failed step before the fast path gives up on it
+# (its thread ends once its collective with a lost rank breaks: under a second here; the rest is margin
+# for a loaded host).
+SURVIVOR_UNWIND_S = 30.0
 
 RemoteRankActor = ray.remote(RankActor)
 
@@ -271,9 +275,11 @@ class RayWorkerGroup(WorkerGroup):
             for r in sorted(doomed):
                 self._actors[r] = self._fresh_actor(placement.ranks[r], world)
             timeout = self.start_timeout_s
-            resets = [self._actors[r].reset.remote() for r in survivors]  # while the new ones start
+            # While the new ones start; a survivor still inside the failed step after SURVIVOR_UNWIND_S
+            # is stuck, and the whole group restarts.
+            resets = [self._actors[r].reset.remote(SURVIVOR_UNWIND_S) for r in survivors]
             where = ray.get([self._actors[r].where.remote() for r in sorted(doomed)], timeout=timeout)
-            done = ray.get(resets, timeout=timeout)
+            done = ray.get(resets, timeout=timeout + SURVIVOR_UNWIND_S)
         except (RayActorError, GetTimeoutError, ActorUnavailableError) as e:
             raise WorkerGroupError(f"fast path: replacement ranks did not start: {e}") from e
         finally:

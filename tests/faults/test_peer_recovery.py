@@ -31,7 +31,7 @@ def _free_cluster(ray_cluster):
 
 def _peer_restart(snap: dict) -> dict:
     restart = events(snap, "restart")[0]
-    assert restart["path"] == "peer", restart
+    assert restart["path"] == "peer", [(e["kind"], e.get("message")) for e in snap["events"]]
     return restart
 
 
