@@ -148,5 +148,7 @@ def test_kill_node_is_a_node_death_and_the_job_moves_to_healthy_nodes(tmp_path, 
     node = events(snap, "fault_injected")[0]["node"]
     assert failure["kind"] == "node_died" and failure["nodes"] == [node]
     assert revive_nodes.killed == [node]
-    assert events(snap, "restart")[0]["path"] == "full"
+    restart = events(snap, "restart")[0]
+    assert restart["path"] == "full"
+    assert restart["recovery"]["why"] == "the node death took every rank", restart  # DP 2 on one node
     assert_kept_off(snap, node, "node_dead")

@@ -266,6 +266,12 @@ def test_dead_rank_restarts_avoiding_nothing_but_marks_its_node_suspect():
     t = sm.step()
     assert (t.from_state, t.to_state) == (S.RECOVERING, S.PLACING)
     assert wg.calls[-1] == "shutdown" and sm.restarts == 1
+    # The fast path failed (this group cannot replace single ranks): the restart event says so.
+    restart = [e for e in sm.events if e["kind"] == "restart"][0]
+    assert [e["kind"] for e in sm.events].count("fast_path_failed") == 1
+    assert restart["path"] == "full" and restart["recovery"]["path"] == "checkpoint"
+    assert restart["recovery"]["why"].startswith("replacing ranks [1] failed: ")
+    assert "cannot replace single ranks" in restart["message"]
     drive(sm, S.RUNNING)
     assert wg.seen_health == {node_of_1: "suspect"}
     assert node_of_1 not in {r.node_name for r in wg.reserved.ranks}  # suspect nodes are used last
@@ -286,6 +292,10 @@ def test_training_error_on_a_rank_restarts():
     assert sm.step().to_state == S.RECOVERING
     failure = [e for e in sm.events if e["kind"] == "failure"][0]["failure"]
     assert failure["kind"] == "rank_error" and "ValueError: boom" in failure["message"]
+    sm.step()
+    restart = [e for e in sm.events if e["kind"] == "restart"][0]
+    assert restart["recovery"]["why"] == "the fast path does not apply to a rank_error failure"
+    assert "fast_path_failed" not in [e["kind"] for e in sm.events]
 
 
 def test_hang_is_detected_by_the_heartbeat_timeout_and_blamed_on_the_rank_that_stopped_first():

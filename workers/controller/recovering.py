@@ -43,6 +43,8 @@ def recover(sm: ControllerStateMachine) -> Transition:
     # A node death that took every rank: nothing to keep, place the job anew (as one gang).
     everything = (len(set(ranks)) == sm.run_cfg.layout.world_size and failure is not None
                   and failure.kind == FailureKind.NODE_DIED)
+    why = ("the node death took every rank" if everything else
+           f"the fast path does not apply to a {cause} failure" if not ranks else "")
     if ranks and not everything:
         allow_peer = (sm.options.peer_recovery and failure is not None and failure.kind in PEER_RECOVERABLE
                       and not recovery.peer_failed)
@@ -56,6 +58,7 @@ def recover(sm: ControllerStateMachine) -> Transition:
                                          rerun_spikes=recovery.spikes_to_rerun(sm.run_cfg.layout),
                                          avoid_nodes=bad, prefer_avoid=sm.attributor.exclude - bad)
         except (WorkerGroupError, PlacementError) as e:
+            why = f"replacing ranks {ranks} failed: {e}"
             sm.log.emit(EventKind.FAST_PATH_FAILED, f"replacing ranks {ranks} failed, restarting all: {e}")
         else:
             return _replaced(sm, ranks, actual, cause, expected, common)
@@ -63,7 +66,8 @@ def recover(sm: ControllerStateMachine) -> Transition:
     recovery.peer_step, recovery.peer_failed = None, False
     sm.books.clock.restarted(cause, "full")
     sm.log.emit(EventKind.RESTART, f"restart {job.restarts}: re-placing every rank, resuming from step "
-                f"{expected}", Restart(path="full", **common))
+                f"{expected} ({why})", Restart(path="full", recovery={"path": "checkpoint", "why": why},
+                                               **common))
     return sm._to(ControllerState.PLACING, "re-placing after a failure")  # noqa: SLF001 - the machine's helper
 
 
