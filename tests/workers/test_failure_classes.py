@@ -116,14 +116,49 @@ def test_the_same_exception_on_every_rank_is_a_job_error():
     assert_nobody_blamed(sm)
 
 
+PEER_CLOSED = "RuntimeError: [gloo/pair.cc:534] Connection closed by peer [127.0.0.1]:8105"
+GRACE_S = ControllerOptions().failure_grace_s
+
+
 def test_a_collective_error_is_infrastructure_and_counts_against_the_node():
-    sm, wg, _ = to_running()
+    sm, wg, clock = to_running()
     node = wg.reserved.ranks[1].node_name
-    fail_ranks(wg, {1: failed_event(1, "RuntimeError: [gloo/pair.cc:534] Connection closed by peer",
-                                    ["RuntimeError", "Exception"])})
+    fail_ranks(wg, {1: failed_event(1, PEER_CLOSED, ["RuntimeError", "Exception"])})
+    assert sm.step() is None  # its peer may yet show up dead: the grace period first
+    clock.advance(GRACE_S + 0.1)
+    wg.push(running(WORLD, state={1: "failed"}, error={1: PEER_CLOSED}))  # nobody else is gone
     assert sm.step().to_state == S.RECOVERING
     assert event(sm, "failure")["classification"] == "infrastructure"
     assert sm.suspect_nodes == [node] and "node_suspect" in kinds(sm)
+
+
+def test_survivors_whose_collective_broke_are_not_blamed_for_the_peer_that_died():
+    """A lost peer's survivors fail in their collective before its death shows in a poll (a node's
+    takes a health check): the dead ranks are blamed, the survivors' node is not."""
+    sm, wg, clock = to_running(topology=Topology.uniform(2, 2, 2))  # a TP pair per node
+    survivors = {r: failed_event(r, PEER_CLOSED, ["RuntimeError", "Exception"]) for r in (0, 1)}
+    fail_ranks(wg, survivors)  # ranks 2 and 3 still look alive: their node's death is not known yet
+    assert sm.step() is None
+    clock.advance(1.0)
+    wg.push(running(WORLD, state={0: "failed", 1: "failed", 2: "dead", 3: "dead"},
+                    error={0: PEER_CLOSED, 1: PEER_CLOSED, 2: "ActorDiedError", 3: "ActorDiedError"}))
+    assert sm.step().to_state == S.RECOVERING
+    failure = event(sm, "failure")["failure"]
+    assert failure["kind"] == "rank_died" and failure["ranks"] == [2, 3]
+    survivors_node, dead_node = (wg.reserved.ranks[r].node_name for r in (0, 2))
+    assert survivors_node != dead_node and sm.suspect_nodes == [dead_node]
+
+
+def test_the_rank_with_its_own_error_is_blamed_not_the_peers_whose_collective_it_broke():
+    sm, wg, _ = to_running(topology=Topology.uniform(2, 2, 2))
+    fail_ranks(wg, {0: failed_event(0, PEER_CLOSED, ["RuntimeError", "Exception"]),
+                    2: failed_event(2, "RuntimeError: CUDA error: an illegal memory access",
+                                    ["RuntimeError", "Exception"])})
+    assert sm.step().to_state == S.RECOVERING
+    failure = event(sm, "failure")["failure"]
+    assert failure["kind"] == "rank_error" and failure["ranks"] == [2]
+    assert wg.reserved.ranks[0].node_name != wg.reserved.ranks[2].node_name
+    assert sm.suspect_nodes == [wg.reserved.ranks[2].node_name]
 
 
 def test_a_dead_rank_restarts_and_its_node_becomes_suspect_never_quarantined_by_one_job():

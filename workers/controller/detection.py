@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -16,6 +17,10 @@ from workers.controller.attempt import Attempt
 from workers.controller.options import ControllerOptions
 from workers.policies import Failure, FailureKind
 from workers.worker_group import GroupStatus
+
+# A rank's error that says its peer in a collective went away (gloo, NCCL, the TCP store).
+PEER_LOST = re.compile(r"connection (closed|reset) by peer|broken pipe|connection reset|"
+                       r"remote (process|worker|peer) (exited|crash)", re.IGNORECASE)
 
 # How each kind of failure is noticed, as the failure event reports it.
 DETECTED_BY: dict[FailureKind, str] = {
@@ -129,10 +134,18 @@ def detect(
         if now - attempt.failed_since < options.failure_grace_s:
             return None
         return death(unresponsive, status, attempt, node_gone, step)
+    if failed and all(PEER_LOST.search(status.ranks[r].error or "") for r in failed):
+        # A collective broken by a peer that went away fails the survivors first; the peer's death
+        # shows a poll or a health check later (a node's takes seconds). Blame them only after that.
+        attempt.failed_since = attempt.failed_since or now
+        if now - attempt.failed_since < options.failure_grace_s:
+            return None
     if failed:
-        first = status.ranks[failed[0]]
-        return Failure(FailureKind.RANK_ERROR, f"rank(s) {failed} failed: {first.error}",
-                       tuple(failed), attempt.nodes(failed), step)
+        # The ranks with an error of their own, not the peers whose collective with them broke.
+        own = [r for r in failed if not PEER_LOST.search(status.ranks[r].error or "")] or failed
+        first = status.ranks[own[0]]
+        return Failure(FailureKind.RANK_ERROR, f"rank(s) {own} failed: {first.error}",
+                       tuple(own), attempt.nodes(own), step)
     gone = [r for r in unresponsive if (n := attempt.rank_node.get(r)) and node_gone(n)]
     if gone:
         return death(gone, status, attempt, node_gone, step)
