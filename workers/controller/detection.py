@@ -134,15 +134,16 @@ def detect(
         if now - attempt.failed_since < options.failure_grace_s:
             return None
         return death(unresponsive, status, attempt, node_gone, step)
-    if failed and all(PEER_LOST.search(status.ranks[r].error or "") for r in failed):
-        # A collective broken by a peer that went away fails the survivors first; the peer's death
-        # shows a poll or a health check later (a node's takes seconds). Blame them only after that.
-        attempt.failed_since = attempt.failed_since or now
-        if now - attempt.failed_since < options.failure_grace_s:
-            return None
     if failed:
         # The ranks with an error of their own, not the peers whose collective with them broke.
-        own = [r for r in failed if not PEER_LOST.search(status.ranks[r].error or "")] or failed
+        own = [r for r in failed if not PEER_LOST.search(status.ranks[r].error or "")]
+        if not own:
+            # A collective broken by a peer that went away fails the survivors first; the peer's death
+            # shows a poll or a health check later (a node's takes seconds). Blame them only after that.
+            attempt.failed_since = attempt.failed_since or now
+            if now - attempt.failed_since < options.failure_grace_s:
+                return None
+            own = failed
         first = status.ranks[own[0]]
         return Failure(FailureKind.RANK_ERROR, f"rank(s) {own} failed: {first.error}",
                        tuple(own), attempt.nodes(own), step)
