@@ -60,7 +60,13 @@ def exception_report(e: BaseException, step: int | None) -> dict[str, Any]:
 class RankActor:
     """Wrapped with `ray.remote` by the worker group (resources come from its bundle)."""
 
-    def __init__(self, job_id: str, rank: int, world_size: int, coord: dict[str, int] | None = None) -> None:
+    def __init__(self, job_id: str, rank: int, world_size: int, coord: dict[str, int] | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        # The job's environment (ControllerOptions.env_vars, OMP_NUM_THREADS) is set here, before
+        # torch is imported, not as a Ray runtime_env: an actor with a runtime_env of its own cannot
+        # take one of Ray's idle worker processes and waits for a new one (~0.6 s on every start,
+        # a replacement rank's included).
+        os.environ.update(env or {})
         self.job_id = job_id
         self.rank = rank
         self.world_size = world_size

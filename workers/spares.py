@@ -327,8 +327,7 @@ class RaySpareBackend:
         return self.actor_class.options(
             num_gpus=1, num_cpus=self.cpus, max_concurrency=4,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=True),
-            runtime_env={"env_vars": dict(self.env_vars)},
-        ).remote(self.job_id, SPARE_RANK, 0, {})
+        ).remote(self.job_id, SPARE_RANK, 0, {}, env=self.env_vars)
 
     def ready(self, handle: Any, timeout_s: float) -> dict[str, Any] | None:
         import ray

@@ -138,8 +138,8 @@ class RayWorkerGroup(WorkerGroup):
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=index
             ),
-            runtime_env={"env_vars": dict(self.env_vars)},
-        ).remote(self.job_id, r.rank, world, {"pp": r.pp, "dp": r.dp, "cp": r.cp, "tp": r.tp})
+        ).remote(self.job_id, r.rank, world, {"pp": r.pp, "dp": r.dp, "cp": r.cp, "tp": r.tp},
+                 env=self.env_vars)
 
     def _slot(self, rank: int) -> tuple[Any, int]:
         """Where rank `rank`'s actor goes: its bundle in the job's placement group, or, once moved off
