@@ -101,6 +101,11 @@ class Settings(BaseSettings):
         0, ge=0, le=64, description="Warm spare rank actors kept beside each running job, outside its "
         "placement (default for job specs' fault_tolerance.spares; docs/fault_tolerance.md, \"Hot spares\").",
     )
+    warm_workers_per_node: int = Field(
+        1, ge=0, le=8, description="Idle worker processes with torch and the engine imported kept on each "
+        "node of a running job, for a replacement rank to start in without importing torch (0: none; "
+        "docs/fault_tolerance.md, \"Warm worker processes\").",
+    )
     scheduler_interval_s: float = Field(
         1.0, gt=0, description="Period of the scheduler/reconciler loop when nothing wakes it earlier."
     )

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -15,6 +18,26 @@ log = logging.getLogger(__name__)
 # and the engine take seconds to import, which a replacement rank or the first scrub would
 # otherwise spend on the recovery path.
 WARM_MODULES = ("torch", "torch.distributed.checkpoint", "training.checkpoint.checkpointer", "training.train")
+# Ray's worker setup hook for rank actors (workers.warm_workers): a worker process runs it at its start.
+SETUP_HOOK = "workers.engine_imports.preload"
+process_started_at: float | None = None  # set by the hook: when this process was created (None: no hook)
+
+
+def preload() -> None:
+    """Import WARM_MODULES now (a new rank worker process, before it takes an actor)."""
+    global process_started_at
+    process_started_at = process_start_time()
+    warm_imports().join()
+
+
+def process_start_time() -> float:
+    """When this process was created (wall clock, ~10 ms): its age from /proc (Linux), else now."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
 
 
 def warm_imports(modules: tuple[str, ...] = WARM_MODULES,

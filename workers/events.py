@@ -247,6 +247,8 @@ class Restart(Payload):
     recovery: dict[str, Any] | None = None
     spare_used: bool | None = None  # a replaced rank got a warm spare (workers.spares); fast/peer only
     replacement_s: float | None = None  # request to a warm replacement actor, the slowest rank's
+    # the replacements that were not spares started in warm processes (workers.warm_workers)
+    warm_process: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path}
@@ -260,6 +262,8 @@ class Restart(Payload):
             out["recovery"] = self.recovery
         if self.spare_used is not None:
             out.update(spare_used=self.spare_used, replacement_s=self.replacement_s)
+        if self.warm_process is not None:
+            out["warm_process"] = self.warm_process
         return out
 
 

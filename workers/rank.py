@@ -30,6 +30,7 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
+from workers import engine_imports
 from workers.collective_trace import dump_path, watchdog_prefix
 from workers.engine_imports import import_callable, warm_imports
 from workers.events import EventKind, FaultReport, plain, rank_event
@@ -60,13 +61,9 @@ def exception_report(e: BaseException, step: int | None) -> dict[str, Any]:
 class RankActor:
     """Wrapped with `ray.remote` by the worker group (resources come from its bundle)."""
 
-    def __init__(self, job_id: str, rank: int, world_size: int, coord: dict[str, int] | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
-        # The job's environment (ControllerOptions.env_vars, OMP_NUM_THREADS) is set here, before
-        # torch is imported, not as a Ray runtime_env: an actor with a runtime_env of its own cannot
-        # take one of Ray's idle worker processes and waits for a new one (~0.6 s on every start,
-        # a replacement rank's included).
-        os.environ.update(env or {})
+    def __init__(self, job_id: str, rank: int, world_size: int, coord: dict[str, int] | None = None) -> None:
+        # The job's environment (ControllerOptions.env_vars, OMP_NUM_THREADS) comes in the actor's
+        # runtime env (workers.warm_workers.rank_runtime_env), set before the process imports torch.
         self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
@@ -155,6 +152,11 @@ class RankActor:
 
     def warm_since(self) -> float:  # when this actor was up with its imports done (wall clock)
         return self.ready_at
+
+    def process_since(self) -> float | None:
+        """When this actor's worker process was created (workers.warm_workers: a warm process was
+        created before the actor was asked for); None: a process that did not run the hook."""
+        return engine_imports.process_started_at
 
     def assign(self, rank: int, world_size: int, coord: dict[str, int] | None = None) -> None:
         """Make this idle hot spare (created as rank -1, workers.spares) rank `rank` of `world_size`."""

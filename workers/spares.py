@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from workers.placement import RankPlacement
 from workers.topology import NodeInfo, Topology
+from workers.warm_workers import started_warm
 
 log = logging.getLogger(__name__)
 
@@ -119,26 +120,21 @@ class SparePool:
         bad_nodes: Callable[[], Collection[str]] = lambda: (), ready_timeout_s: float = READY_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.job_id = job_id
-        self.size = max(0, int(size))
-        self.backend = backend
+        self.job_id, self.size, self.backend = job_id, max(0, int(size)), backend
         self._bad_nodes = bad_nodes  # quarantined, dead, cordoned (the controller's view, read each time)
-        self.ready_timeout_s = ready_timeout_s
-        self._clock = clock
+        self.ready_timeout_s, self._clock = ready_timeout_s, clock
         self._lock = threading.RLock()
         self._spares: list[Spare] = []
-        self._fill_args: dict[str, Any] = {}
+        self._fill_args: dict[str, Any] = {}  # the last `fill`'s, for `refill`
         self._thread: threading.Thread | None = None
-        self._again = False
-        self._closed = False
+        self._again = self._closed = False
 
     # ---- keeping the pool full ------------------------------------------------------------------
     def fill(
         self, exclude_nodes: Collection[str] = (), *, prefer_nodes: Collection[str] = (),
         avoid_nodes: Collection[str] = (), prefer_rack: str | None = None,
     ) -> int:
-        """Start spares until `size` are kept (it does not wait for them to be up); how many it started.
-        The arguments are remembered for `refill`."""
+        """Start spares until `size` are kept (not waiting for them to be up); how many it started."""
         self._fill_args = {"exclude_nodes": set(exclude_nodes), "prefer_nodes": set(prefer_nodes),
                            "avoid_nodes": set(avoid_nodes), "prefer_rack": prefer_rack}
         with self._lock:
@@ -312,11 +308,11 @@ class RaySpareBackend:
     where a spare really landed is read back and a spare on an excluded node is dropped."""
 
     def __init__(self, actor_class: Any, job_id: str, *, cpus: float = 0.1,
-                 env_vars: dict[str, str] | None = None) -> None:
+                 runtime_env: Mapping[str, Any] | None = None) -> None:
         self.actor_class = actor_class
         self.job_id = job_id
         self.cpus = cpus
-        self.env_vars = dict(env_vars or {})
+        self.runtime_env = dict(runtime_env or {})  # the job's ranks' (workers.warm_workers.rank_runtime_env)
 
     def nodes(self) -> Sequence[NodeInfo]:
         return Topology.from_ray(include_dead=False).gpu_nodes
@@ -325,9 +321,9 @@ class RaySpareBackend:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         return self.actor_class.options(
-            num_gpus=1, num_cpus=self.cpus, max_concurrency=4,
+            num_gpus=1, num_cpus=self.cpus, max_concurrency=4, runtime_env=self.runtime_env,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=True),
-        ).remote(self.job_id, SPARE_RANK, 0, {}, env=self.env_vars)
+        ).remote(self.job_id, SPARE_RANK, 0, {})
 
     def ready(self, handle: Any, timeout_s: float) -> dict[str, Any] | None:
         import ray
@@ -347,11 +343,12 @@ class JobSpares:
     prefers its own nodes, the only place a spare can join a TP group; a TP = 1 job keeps spares off
     them), a spare for a lost rank (`fresh`), and how the last replacements were got."""
 
-    def __init__(self, job_id: str, size: int, actor_class: Any, *, cpus: float, env_vars: dict[str, str],
-                 exclude: Callable[[], Collection[str]] | None, timeout_s: float) -> None:
+    def __init__(self, job_id: str, size: int, actor_class: Any, *, cpus: float,
+                 runtime_env: Mapping[str, Any], exclude: Callable[[], Collection[str]] | None,
+                 timeout_s: float) -> None:
         self.job_id, self.size, self.timeout_s = job_id, max(0, int(size)), timeout_s
         self.exclude = exclude or (lambda: ())
-        self.backend = RaySpareBackend(actor_class, job_id, cpus=cpus, env_vars=env_vars)
+        self.backend = RaySpareBackend(actor_class, job_id, cpus=cpus, runtime_env=runtime_env)
         self.pool: SparePool | None = None
         self.replaced: dict[int, dict[str, Any]] = {}  # rank -> how its replacement was got
 
@@ -418,12 +415,15 @@ class JobSpares:
         return pool.describe()
 
     def replacement_info(self, timeout_s: float) -> dict[str, Any]:
-        """`spare_used` (any replaced rank) and `replacement_s` (request to a warm actor, the slowest)."""
+        """`spare_used` (any replaced rank), `replacement_s` (request to a warm actor, the slowest) and
+        `warm_process` (the others all started in warm processes: workers.warm_workers)."""
         import ray
 
         replaced, self.replaced = self.replaced, {}
-        seconds = []
+        seconds, prestarted = [], []
         for r, got in replaced.items():
+            if not got["spare"] and (w := started_warm(got["actor"], got["t0"], timeout_s)) is not None:
+                prestarted.append(w)
             warm = got["warm"]  # a warm spare's: when it was taken; a fresh actor's, or a spare
             try:  # taken while still importing: when its imports were done
                 warm = max(warm, float(ray.get(got["actor"].warm_since.remote(), timeout=timeout_s)))
@@ -435,7 +435,8 @@ class JobSpares:
         if not replaced:
             return {}
         return {"spare_used": any(g["spare"] for g in replaced.values()),
-                "replacement_s": round(max(seconds), 3) if seconds else None}
+                "replacement_s": round(max(seconds), 3) if seconds else None,
+                "warm_process": all(prestarted) if prestarted else None}
 
     def shutdown(self) -> None:
         """Kill the spares (the next `fill` starts a new pool)."""

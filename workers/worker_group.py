@@ -33,6 +33,7 @@ from workers.recovery_path import RecoveryPath
 from workers.relocate import relocate
 from workers.spares import JobSpares
 from workers.topology import Topology
+from workers.warm_workers import WarmWorkers, rank_runtime_env
 
 log = logging.getLogger(__name__)
 # How long a surviving rank may take to leave the failed step before the fast path gives up on it
@@ -62,9 +63,12 @@ class RayWorkerGroup(WorkerGroup):
         log_backups: int = DEFAULT_BACKUPS,
         spares: int = 0,
         spare_exclude: Callable[[], Collection[str]] | None = None,
+        warm_workers: int = 1,
     ) -> None:
         """`spares`: warm spare rank actors kept while the ranks run (workers.spares); `spare_exclude`:
-        the nodes no spare may be on or come from now (quarantined, dead, cordoned)."""
+        the nodes no spare may be on or come from now (quarantined, dead, cordoned); `warm_workers`:
+        idle processes with the engine imported kept on each of the job's nodes (asked for once its
+        ranks hold theirs), for a replacement rank to start in (workers.warm_workers)."""
         self.job_id = job_id
         self.log_max_bytes, self.log_backups = log_max_bytes, log_backups
         self.cpus_per_rank = cpus_per_rank
@@ -76,8 +80,11 @@ class RayWorkerGroup(WorkerGroup):
         self.train_fn = train_fn
         self.flops_per_token = flops_per_token
         self.env_vars = {"OMP_NUM_THREADS": "1", **(env_vars or {})}
-        self._spares = JobSpares(job_id, spares, RemoteRankActor, cpus=cpus_per_rank, env_vars=self.env_vars,
-                                 exclude=spare_exclude, timeout_s=start_timeout_s)
+        self.runtime_env = rank_runtime_env(self.env_vars)
+        self._warm = WarmWorkers(self.runtime_env, warm_workers)
+        self._spares = JobSpares(job_id, spares, RemoteRankActor, cpus=cpus_per_rank,
+                                 runtime_env=self.runtime_env, exclude=spare_exclude,
+                                 timeout_s=start_timeout_s)
         self._should_stop = should_stop or (lambda: False)
         self._pg: Any = None
         self._placement: Placement | None = None
@@ -117,6 +124,12 @@ class RayWorkerGroup(WorkerGroup):
             where = ray.get([a.where.remote() for a in self._actors], timeout=self.start_timeout_s)
         except (RayActorError, GetTimeoutError, ActorUnavailableError) as e:
             raise WorkerGroupStartupError(f"rank actors did not start: {e}") from e
+        # Asked for once the ranks hold their processes (else a rank may take the warm one, leaving an
+        # idle process Ray reaps), on every spawn (its ranks may have taken the last ones): warm while
+        # the ranks rendezvous and build the model (workers.warm_workers).
+        nodes = {w["node_id"] for w in where}
+        self._warm.taken(nodes)
+        self._warm.keep(nodes)
         actual = []
         for intended, w in zip(placement.ranks, where, strict=True):
             actual.append(
@@ -135,11 +148,11 @@ class RayWorkerGroup(WorkerGroup):
             num_gpus=1,
             num_cpus=self.cpus_per_rank,
             max_concurrency=4,
+            runtime_env=self.runtime_env,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=index
             ),
-        ).remote(self.job_id, r.rank, world, {"pp": r.pp, "dp": r.dp, "cp": r.cp, "tp": r.tp},
-                 env=self.env_vars)
+        ).remote(self.job_id, r.rank, world, {"pp": r.pp, "dp": r.dp, "cp": r.cp, "tp": r.tp})
 
     def _slot(self, rank: int) -> tuple[Any, int]:
         """Where rank `rank`'s actor goes: its bundle in the job's placement group, or, once moved off
@@ -294,6 +307,7 @@ class RayWorkerGroup(WorkerGroup):
             i = placement.ranks[r]
             actual[r] = RankPlacement(rank=r, pp=i.pp, dp=i.dp, cp=i.cp, tp=i.tp, node_id=w["node_id"],
                                       node_name=w["node_name"], rack=w["rack"], gpu=w["gpu"])
+        self._warm.taken({w["node_id"] for w in where})
         self._arm(faults, doomed)
         self.last_recovery = path
         self.launch(run_cfg, resume=True, restore_steps=restore_steps, peer=path, rerun_spikes=rerun_spikes)
@@ -351,6 +365,8 @@ class RayWorkerGroup(WorkerGroup):
                 out[rank] = RankStatus(rank=rank, state="unresponsive", error=str(e)[:500])
             except (ActorDiedError, RayActorError) as e:
                 out[rank] = RankStatus(rank=rank, state="dead", error=str(e)[:500])
+        if out and all(s.stepped for s in out.values()):  # training: start-up no longer needs the cores
+            self._warm.keep({p.node_id for p in self._where})
         return GroupStatus(out)
 
     def dump_collectives(self) -> None:

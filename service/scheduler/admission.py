@@ -221,6 +221,7 @@ def controller_options(settings: Settings, spec: JobSpec, seq: int, reached_step
         "log_max_bytes": settings.rank_log_max_bytes,
         "log_backups": settings.rank_log_backups,
         "spares": settings.spares_per_job if (n := spec.fault_tolerance.spares) is None else n,
+        "warm_workers": settings.warm_workers_per_node,
         **defaults,
     }
     fields["first_seq"] = seq  # events continue the job's numbering whatever the defaults say

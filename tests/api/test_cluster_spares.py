@@ -87,3 +87,11 @@ def test_spare_metrics_follow_the_snapshots_and_leave_with_the_job() -> None:
     metrics.forget_job(job)
     with pytest.raises(AssertionError):
         _sample("lattice_spares", job)
+
+
+def test_warm_worker_processes_per_node_come_from_the_service_setting_and_are_bounded() -> None:
+    spec = JobSpec.model_validate(tiny())
+    assert admission.controller_options(Settings(), spec, 0, 0, {}).warm_workers == 1
+    assert admission.controller_options(Settings(warm_workers_per_node=0), spec, 0, 0, {}).warm_workers == 0
+    with pytest.raises(ValidationError, match="warm_workers_per_node"):
+        Settings(warm_workers_per_node=9)

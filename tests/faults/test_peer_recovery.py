@@ -107,3 +107,20 @@ def test_without_a_dp_peer_the_checkpoint_is_restored_and_the_event_says_why(tmp
     assert "no DP replica" in restart["recovery"]["why"]
     restore = events(snap, "restore")[0]
     assert (restore["source"], restore["step"]) == ("checkpoint", 2)
+
+
+@pytest.mark.parametrize("warm", [1, 0], ids=["warm-process", "cold-process"])
+def test_a_replacement_starts_in_the_warm_process_kept_on_its_node(tmp_path, warm):
+    """workers.warm_workers: with a warm process kept on the job's nodes the replacement's process
+    existed before it was asked for (no process start, no torch import on the recovery path); with
+    none it is a new process. Both end bit-identical to a fault-free run. A job-unique environment
+    keeps other tests' warm processes (same Ray job, same runtime env) out of the cold cell."""
+    cfg = job_cfg(str(tmp_path / "ckpt"), steps=10)
+    opts = options({"kind": "kill_rank", "rank": 1, "at_step": 7}, warm_workers=warm,
+                   env_vars={"LATTICE_TEST_WARM_CELL": f"{warm}-{tmp_path.name}"})
+    snap = run_job(f"peer-warm-{warm}", cfg, opts)
+    assert_succeeded_like_fault_free(snap, cfg)
+    restart = _peer_restart(snap)
+    assert restart["replaced"] == [1] and restart["spare_used"] is False
+    assert restart["warm_process"] is bool(warm), restart
+    assert events(snap, "restore")[0]["steps_lost"] == 0

@@ -73,6 +73,7 @@ class JobController:
             log_max_bytes=opts.log_max_bytes,
             log_backups=opts.log_backups,
             spares=opts.spares,
+            warm_workers=opts.warm_workers,
             spare_exclude=lambda: unusable_nodes(self._sm.attributor.health_view(),
                                                  self._sm.attributor.cordoned, self._sm.attributor.exclude),
         )

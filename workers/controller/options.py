@@ -45,6 +45,7 @@ class ControllerOptions:
     failure_grace_s: float = 5.0  # ranks failed while others are unresponsive: wait this long to blame
     referee: bool = True  # DP = 2 replicas disagreeing persistently: replay the step on a spare
     spares: int = 0  # warm spare rank actors kept while the job runs (workers.spares)
+    warm_workers: int = 1  # idle processes, engine imported, per node of the job (workers.warm_workers)
 
     @property
     def collective_timeout_s(self) -> float:
