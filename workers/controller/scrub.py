@@ -4,6 +4,8 @@ corrupt_checkpoint fault, and holds the checkpoint operations on a filesystem th
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -11,6 +13,8 @@ from workers.controller.eventlog import EventLog
 from workers.events import EventKind, FailureReport
 from workers.fault_ledger import CheckpointLedger, FaultClock
 from workers.policies import Failure, FailureKind
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointOps(Protocol):
@@ -38,6 +42,10 @@ class LocalCheckpointOps:
         from training.checkpoint.checkpointer import list_checkpoints
 
         return list_checkpoints(root)
+
+    def gone(self, path: str) -> bool:
+        """The checkpoint's directory is no longer there (the ranks' retention pruned it)."""
+        return not os.path.lexists(path) and os.path.isdir(os.path.dirname(path.rstrip("/")))
 
 
 class CheckpointScrubber:
@@ -75,6 +83,11 @@ class CheckpointScrubber:
         try:
             ops.verify(path)
         except Exception as e:  # noqa: BLE001 - any verification failure makes the checkpoint unusable
+            gone = getattr(ops, "gone", None)
+            if gone is not None and gone(path):  # pruned by the job's retention before this check ran
+                self.ledger.committed.pop(step, None)  # (a loaded controller lags): not damage, not usable
+                log.info("checkpoint of step %d was pruned before it was scrubbed", step)
+                return False
             self._damaged(step, path, str(e))
             return False
         self._events.emit(EventKind.CHECKPOINT_VERIFIED, f"checkpoint of step {step} verifies against its "
