@@ -10,7 +10,7 @@ runtime env matches to the next actor created with it, which then answers in ~0.
 spending seconds starting a process and importing torch. Without a warm process (none asked for
 yet, or the RPC failed: it is Ray's internal API, so a failure is logged and never raised) the actor
 starts cold, as before. Costs: one idle process per node (a few hundred MB of host memory) while the
-job runs; its imports take a core for a few seconds, after the ranks' first step.
+job runs; its imports take a core for a few seconds, while the ranks rendezvous and build the model.
 """
 
 from __future__ import annotations
