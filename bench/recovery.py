@@ -45,23 +45,27 @@ from training.config.spec import ModelSpec
 SPEC = ModelSpec(layers=2, hidden=64, heads=4, vocab=256, seq_len=32)
 
 
-def _cfg(ckpt: str, steps: int, every: int, dp: int = 2, zero: int = 0) -> RunConfig:
+def _cfg(ckpt: str, steps: int, every: int, dp: int = 2, zero: int = 0, tp: int = 1) -> RunConfig:
     # ZeRO-1 runs keep shadow shards (fault_tolerance.shadow_optimizer): their peer path needs them.
-    return RunConfig(model=SPEC, layout=Layout(dp=dp, micro_batch_size=2, zero_stage=zero), steps=steps,
-                     checkpoint=CheckpointConfig(dir=ckpt, every_steps=every), shadow_optimizer=zero == 1)
+    return RunConfig(model=SPEC, layout=Layout(dp=dp, tp=tp, micro_batch_size=2, zero_stage=zero),
+                     steps=steps, checkpoint=CheckpointConfig(dir=ckpt, every_steps=every),
+                     shadow_optimizer=zero == 1)
 
 
 def run_lattice(steps: int, every: int, kill_at: int, root: str, *, name: str, dp: int = 2, fast: bool = True,
-                peer: bool = True, spares: int = 0, zero: int = 0, warm: int = 1) -> dict[str, Any]:
+                peer: bool = True, spares: int = 0, zero: int = 0, warm: int = 1, tp: int = 1,
+                kind: str = "kill_rank") -> dict[str, Any]:
     import ray
 
     from workers.controller import ControllerOptions, kill_controller, start_controller
 
     job = f"bench-recovery-{name}"
-    cfg = _cfg(os.path.join(root, job), steps, every, dp, zero)
-    kill = {"kind": "kill_rank", "rank": dp - 1, "at_step": kill_at}
+    cfg = _cfg(os.path.join(root, job), steps, every, dp, zero, tp)
+    kill = {"kind": kind, "rank": dp * tp - 1, "at_step": kill_at}
     opts = ControllerOptions(poll_interval_s=0.1, fast_path=fast, peer_recovery=peer, spares=spares,
-                             warm_workers=warm, hang_timeout_s=30.0, faults=() if spares else (kill,))
+                             warm_workers=warm, hang_timeout_s=30.0, faults=() if spares else (kill,),
+                             # a run's own runtime env: no run takes an earlier run's warm processes
+                             env_vars={"LATTICE_BENCH_RUN": name})
     handle = start_controller(job, cfg, options=opts)
     try:
         # The kill once the spare is warm (started with the ranks, warm once its engine is imported,
@@ -169,7 +173,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--kill-at", type=int, default=82)
     parser.add_argument("--skip-ray-train", action="store_true")
+    parser.add_argument("--node-loss", action="store_true",
+                        help="only: TP 2 x DP 2, one replica's node removed; standby warm processes vs none")
     a = parser.parse_args(argv)
+    if a.node_loss:
+        return node_loss(a.steps, a.every, a.kill_at)
 
     from bench._common import machine
     from workers.cluster import start_embedded_cluster
@@ -218,6 +226,38 @@ def main(argv: list[str] | None = None) -> None:
     print(f"ratio Lattice DP 1 + spare / Ray Train DP 1: {dp1_ratio:.2f} (target <= 0.4)")
     for name, r in zero1:
         print(f"ratio ZeRO-1 {name} / Ray Train (DDP): {r['kill_to_step_s'] / ray_s:.2f}")
+
+
+def node_loss(steps: int, every: int, kill_at: int) -> None:
+    """A replica's node lost (TP 2 x DP 2 on 1 rack x 4 nodes x 2 GPUs: each TP pair fills a node): the
+    pair moves whole to a free node and takes the other replica's state. With warm processes the
+    worker group keeps two on that node beforehand (the standby node, workers.warm_workers); with
+    `warm_workers=0` the pair starts cold there. Detection (Ray declaring the node dead) is the same."""
+    from bench._common import machine
+    from workers.cluster import start_embedded_cluster
+    from workers.node_killer import NodeKillService
+
+    root = tempfile.mkdtemp(prefix="lrec-")
+    cluster = start_embedded_cluster(racks=1, nodes_per_rack=4, gpus_per_node=2, temp_dir=root + "/ray",
+                                     cpus_per_node=2)
+    killer = NodeKillService(cluster)
+    rows = []
+    try:
+        run = functools.partial(run_lattice, steps, every, kill_at, root, tp=2, kind="kill_node")
+        rows.append(("standby warm processes", run(name="node-warm")))
+        rows.append(("cold (warm_workers=0)", run(name="node-cold", warm=0)))
+    finally:
+        killer.stop()
+        cluster.shutdown()
+    print(f"# bench.recovery --node-loss — {machine()}")
+    print(f"tiny GPT ({SPEC.layers}x{SPEC.hidden}), TP 2 x DP 2, {steps} steps, checkpoint every {every}, "
+          f"rank 3's node removed after step {kill_at}\n")
+    print(f"{'replacement processes':24s} {'path':>6s} {'warm proc':>9s} {'detect (s)':>10s} "
+          f"{'recover (s)':>11s} {'kill -> first step (s)':>23s} {'steps lost':>11s}")
+    for name, r in rows:
+        print(f"{name:24s} {r['path']:>6s} {str(r['warm_process']):>9s} {r['detect_s']:10.2f} "
+              f"{r['recover_s']:11.2f} {r['kill_to_step_s']:23.2f} {r['lost']:11d}")
+    print(f"final weights identical: {len({r['digest'] for _, r in rows}) == 1}")
 
 
 if __name__ == "__main__":

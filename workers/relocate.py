@@ -53,3 +53,23 @@ def relocate(lost: Collection[int], where: Sequence[RankPlacement], avoid: Colle
         free[best] -= len(members)
         moves.update({r.rank: nodes[best] for r in members})
     return Relocation(moves, frozenset(r for r in moves if r not in lost))
+
+
+def standby_nodes(where: Sequence[RankPlacement], avoid: Collection[str],
+                  topology: Topology) -> dict[str, int]:
+    """Where the ranks would go if one of the job's nodes were lost now: {node id: the most ranks that
+    would move there for any one node's loss}, by `relocate` itself (workers.warm_workers keeps warm
+    processes there). A node whose ranks would fit nowhere adds nothing."""
+    out: dict[str, int] = {}
+    for name in sorted({r.node_name for r in where}):
+        lost = [r.rank for r in where if r.node_name == name]
+        try:
+            moves = relocate(lost, where, {name, *avoid}, topology)
+        except PlacementError:
+            continue
+        counts: dict[str, int] = {}
+        for node in moves.moves.values():
+            counts[node.node_id] = counts.get(node.node_id, 0) + 1
+        for node_id, n in counts.items():
+            out[node_id] = max(out.get(node_id, 0), n)
+    return out

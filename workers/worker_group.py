@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ from workers.names import placement_group_name
 from workers.placement import NODE_ID_LABEL, Placement, PlacementError, RankPlacement, release, reserve
 from workers.rank import DEFAULT_TRAIN_FN, RankActor
 from workers.recovery_path import RecoveryPath
-from workers.relocate import relocate
+from workers.relocate import relocate, standby_nodes
 from workers.spares import JobSpares
 from workers.topology import Topology
 from workers.warm_workers import WarmWorkers, rank_runtime_env
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 # (its thread ends once its collective with a lost rank breaks: under a second here; the rest is margin
 # for a loaded host).
 SURVIVOR_UNWIND_S = 30.0
+STANDBY_REFRESH_S = 60.0  # how often the nodes a lost node's ranks would move to are recomputed
 
 RemoteRankActor = ray.remote(RankActor)
 
@@ -82,6 +84,9 @@ class RayWorkerGroup(WorkerGroup):
         self.env_vars = {"OMP_NUM_THREADS": "1", **(env_vars or {})}
         self.runtime_env = rank_runtime_env(self.env_vars)
         self._warm = WarmWorkers(self.runtime_env, warm_workers)
+        self._exclude = spare_exclude or (lambda: ())
+        self._standby: dict[str, int] = {}  # node id -> warm processes for ranks that would move there
+        self._standby_at = float("-inf")
         self._spares = JobSpares(job_id, spares, RemoteRankActor, cpus=cpus_per_rank,
                                  runtime_env=self.runtime_env, exclude=spare_exclude,
                                  timeout_s=start_timeout_s)
@@ -251,6 +256,7 @@ class RayWorkerGroup(WorkerGroup):
         self.launch(run_cfg, resume=resume, restore_steps=restore_steps, rerun_spikes=rerun_spikes)
         self._where = actual
         self._spares.fill(actual)
+        self._keep_warm(refresh=True)
         return actual
 
     def replace_ranks(
@@ -312,6 +318,7 @@ class RayWorkerGroup(WorkerGroup):
         self.last_recovery = path
         self.launch(run_cfg, resume=True, restore_steps=restore_steps, peer=path, rerun_spikes=rerun_spikes)
         self._where = [actual[r] for r in sorted(actual)]
+        self._standby_at = float("-inf")  # where ranks would move now: asked once the ranks train again
         return list(self._where)
 
     def _recovery_path(self, run_cfg: RunConfig, placement: Placement, lost: Collection[int],
@@ -366,8 +373,22 @@ class RayWorkerGroup(WorkerGroup):
             except (ActorDiedError, RayActorError) as e:
                 out[rank] = RankStatus(rank=rank, state="dead", error=str(e)[:500])
         if out and all(s.stepped for s in out.values()):  # training: start-up no longer needs the cores
-            self._warm.keep({p.node_id for p in self._where})
+            self._keep_warm(refresh=False)
         return GroupStatus(out)
+
+    def _keep_warm(self, refresh: bool) -> None:
+        """Warm processes on the job's nodes and, without hot spares, on the nodes its ranks would
+        move to if one of those were lost (workers.warm_workers; that set is recomputed every
+        STANDBY_REFRESH_S, as other jobs take and free GPUs)."""
+        if (refresh or time.monotonic() - self._standby_at > STANDBY_REFRESH_S) and self._where:
+            self._standby, self._standby_at = {}, time.monotonic()
+            if self._spares.size == 0 and self._warm.per_node > 0:
+                try:
+                    self._standby = standby_nodes(self._where, self._exclude(),
+                                                  Topology.from_ray(include_dead=False))
+                except Exception as e:  # noqa: BLE001 - best effort: a moved rank then starts cold
+                    log.warning("no standby nodes for warm processes: %s", e)
+        self._warm.keep({p.node_id for p in self._where}, self._standby)
 
     def dump_collectives(self) -> None:
         refs = [a.dump_collectives.remote() for a in self._actors]

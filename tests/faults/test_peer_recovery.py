@@ -55,9 +55,11 @@ def test_a_whole_tp_group_lost_with_its_node_comes_back_from_the_other_replica(
         tmp_path, revive_nodes, two_free_gpus_per_node):
     """TP 2 x DP 2: the node holding one replica's TP pair dies; both ranks move to another node and
     take the other replica's state (same tp coordinate); the run ends bit-identical to a fault-free
-    one, 0 steps lost."""
-    cfg = job_cfg(str(tmp_path / "ckpt"), layout=Layout(tp=2, dp=2))
-    snap = run_job("peer-kill-node", cfg, options({"kind": "kill_node", "rank": 2, "at_step": 3}))
+    one, 0 steps lost. The node they move to held two warm processes for them (the standby node of
+    workers.warm_workers); a job-unique environment keeps other tests' warm processes out."""
+    cfg = job_cfg(str(tmp_path / "ckpt"), layout=Layout(tp=2, dp=2), steps=10)
+    snap = run_job("peer-kill-node", cfg, options({"kind": "kill_node", "rank": 2, "at_step": 7},
+                                                  env_vars={"LATTICE_TEST_STANDBY": tmp_path.name}))
     assert_succeeded_like_fault_free(snap, cfg)
     assert_in_order(snap, ["fault_injected", "failure", "node_dead", "restart", "restore", "resumed",
                            "finished"])
@@ -72,6 +74,7 @@ def test_a_whole_tp_group_lost_with_its_node_comes_back_from_the_other_replica(
     dead = events(snap, "node_dead")[0]["node"]
     assert all(by_rank[r]["node_name"] != dead for r in lost)
     assert len({by_rank[r]["node_name"] for r in lost}) == 1  # the TP pair stays inside one node
+    assert restart["spare_used"] is False and restart["warm_process"] is True, restart
     restore = events(snap, "restore")[0]
     assert (restore["source"], restore["steps_lost"]) == ("peers", 0)
     assert snap["faults"]["steps_lost"] == 0
