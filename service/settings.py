@@ -104,7 +104,7 @@ class Settings(BaseSettings):
     warm_workers_per_node: int = Field(
         1, ge=0, le=8, description="Idle worker processes with torch and the engine imported kept on each "
         "node of a running job, for a replacement rank to start in without importing torch, and (without "
-        "hot spares) on the nodes its ranks would move to if a node were lost, one per such rank (0: none; "
+        "hot spares, for a job on several nodes) where its ranks would move if a node were lost (0: none; "
         "docs/fault_tolerance.md, \"Warm worker processes\").",
     )
     scheduler_interval_s: float = Field(

@@ -13,10 +13,12 @@ starts cold, as before. Costs: one idle process per node (a few hundred MB of ho
 job runs; its imports take a core for a few seconds, while the ranks rendezvous and build the model.
 
 A rank lost with its node moves to another node (workers.relocate), where the job has no process.
-Without hot spares the worker group therefore also keeps warm processes on the *standby* nodes:
-where `relocate` would send each of the job's nodes' ranks if that node were lost now, one process
-per rank that would land there (a TP group moves whole: TP 8 asks for 8), recomputed as other jobs
-take and free GPUs. With hot spares the spares cover a node's loss and no standby is kept.
+For a job on several nodes without hot spares (a node's loss leaves survivors: the peer path) the
+worker group therefore also keeps warm processes on the *standby* nodes: where `relocate` would send
+each of the job's nodes' ranks if that node were lost now, one process per rank that would land there
+(a TP group moves whole: TP 8 asks for 8), recomputed as other jobs take and free GPUs. With hot
+spares the spares cover a node's loss; a job on one node that loses it restores every rank from the
+checkpoint, and a node's worth of idle processes is not kept for that.
 """
 
 from __future__ import annotations

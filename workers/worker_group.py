@@ -377,12 +377,15 @@ class RayWorkerGroup(WorkerGroup):
         return GroupStatus(out)
 
     def _keep_warm(self, refresh: bool) -> None:
-        """Warm processes on the job's nodes and, without hot spares, on the nodes its ranks would
-        move to if one of those were lost (workers.warm_workers; that set is recomputed every
-        STANDBY_REFRESH_S, as other jobs take and free GPUs)."""
+        """Warm processes on the job's nodes and, for a job on several nodes without hot spares, on the
+        nodes its ranks would move to if one of those were lost: the peer path, where the replacement's
+        start is most of the recovery (workers.warm_workers; that set is recomputed every
+        STANDBY_REFRESH_S, as other jobs take and free GPUs). A job on one node that loses it restores
+        every rank from the checkpoint: a node's worth of idle processes is not kept for that."""
         if (refresh or time.monotonic() - self._standby_at > STANDBY_REFRESH_S) and self._where:
             self._standby, self._standby_at = {}, time.monotonic()
-            if self._spares.size == 0 and self._warm.per_node > 0:
+            several = len({p.node_id for p in self._where}) > 1
+            if several and self._spares.size == 0 and self._warm.per_node > 0:
                 try:
                     self._standby = standby_nodes(self._where, self._exclude(),
                                                   Topology.from_ray(include_dead=False))
