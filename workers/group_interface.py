@@ -91,6 +91,11 @@ class WorkerGroup(ABC):
     def shutdown(self) -> None:
         """End the ranks and release the reservation; idempotent."""
 
+    def close(self) -> None:
+        """The job is over (after `shutdown`): let go of what was kept for its restarts, such as
+        warm worker processes. Default: nothing kept."""
+        return None
+
     def inject_fault(self, kind: str, rank: int, at_step: int, **params: Any) -> None:
         """Schedule a rank-level fault (fault injection). Optional for implementations."""
         raise NotImplementedError(f"{type(self).__name__} does not inject faults")

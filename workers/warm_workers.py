@@ -4,13 +4,19 @@ nodes, so that a replacement rank without a hot spare does not import torch on t
 Every rank actor of a job (and its spares) is created with `rank_runtime_env(env)`: the job's
 environment and Ray's worker setup hook, `workers.engine_imports.preload`, which a worker process
 started for that runtime env runs before it takes any work. `WarmWorkers.keep(nodes)` asks the raylet
-of each node for one such process ahead of need (its `PrestartWorkers` RPC, the one Ray's own lease
-path uses, with a keep-alive so that the idle process is not reaped); Ray hands an idle process whose
-runtime env matches to the next actor created with it, which then answers in ~0.1 s instead of
-spending seconds starting a process and importing torch. Without a warm process (none asked for
-yet, or the RPC failed: it is Ray's internal API, so a failure is logged and never raised) the actor
-starts cold, as before. Costs: one idle process per node (a few hundred MB of host memory) while the
-job runs; its imports take a core for a few seconds, while the ranks rendezvous and build the model.
+of each node for such processes ahead of need (workers.raylets; with a keep-alive, so that the idle
+process is not reaped); Ray hands an idle process whose runtime env matches to the next actor created
+with it, which then answers in ~0.1 s instead of spending seconds starting a process and importing
+torch. Without a warm process (none asked for yet, or the call failed: it is Ray's internal API, so a
+failure is logged and never raised) the actor starts cold, as before.
+
+The job's processes are counted, not assumed: it remembers the pids it started on each node and,
+every CHECK_S and whenever what it wants changes, asks a node only for the difference between what
+it wants there and those of its pids still idle (a replacement took one, the raylet reaped one whose
+keep-alive ran out); a node it no longer wants processes on, or fewer, has the rest ended. `release()`
+ends them all when the job is over, instead of leaving them idle until the raylet reaps them.
+Costs: one idle process per node (a few hundred MB of host memory) while the job runs; its imports
+take a core for a few seconds, while the ranks rendezvous and build the model.
 
 A rank lost with its node moves to another node (workers.relocate), where the job has no process.
 For a job on several nodes without hot spares (a node's loss leaves survivors: the peer path) the
@@ -27,18 +33,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from workers.engine_imports import SETUP_HOOK
+from workers.raylets import Raylets
 
 log = logging.getLogger(__name__)
 
 # ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR: what runtime_env["worker_process_setup_hook"]
 # becomes; set directly so that the runtime env is the same in the actor's options and in the prestart.
 SETUP_HOOK_ENV_VAR = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
-KEEP_ALIVE_S = 600.0  # how long the raylet keeps an idle warm process from its idle-worker reaper
-RPC_TIMEOUT_S = 5.0
-REGISTER_TIMEOUT_S = 30.0  # for one batch of processes to register (see ray_prestart)
+KEEP_ALIVE_S = 600.0  # how long the raylet keeps a started idle process from its idle-worker reaper
+CHECK_S = 60.0  # how often the job's idle processes are counted while nothing else changes
+MAX_THREADS = 16  # nodes checked at once (a start waits for its processes to register)
 WARM_MARGIN_S = 0.05  # a process created this long before its actor was asked for was a warm one
 
 
@@ -47,64 +55,143 @@ def rank_runtime_env(env_vars: Mapping[str, str]) -> dict[str, Any]:
     return {"env_vars": {**env_vars, SETUP_HOOK_ENV_VAR: SETUP_HOOK}}
 
 
-# prestart({node id: count}, runtime_env, keep_alive_s) -> {node id: error} for the nodes it failed on:
-# start `count` idle worker processes with that runtime env on each node.
-Prestart = Callable[[Mapping[str, int], Mapping[str, Any], float], Mapping[str, str]]
-
-
 class WarmWorkers:
-    """One job's warm processes: which nodes were asked for how many, and when (not thread-safe: the
-    worker group calls it from the controller's loop). The raylet calls run on a background thread
-    (`background=False`: inline), so that an unreachable raylet never holds up the controller."""
+    """One job's warm processes. `keep` and `release` are called from the controller's loop; the
+    raylet calls run on one background thread at a time (`background=False`: inline), so that an
+    unreachable raylet never holds up the controller, and a newer request replaces one not yet run."""
 
     def __init__(self, runtime_env: Mapping[str, Any], per_node: int = 1, *,
-                 keep_alive_s: float = KEEP_ALIVE_S, prestart: Prestart | None = None,
-                 clock: Callable[[], float] = time.monotonic, background: bool = True) -> None:
+                 keep_alive_s: float = KEEP_ALIVE_S, check_s: float = CHECK_S,
+                 raylets: Raylets | None = None, clock: Callable[[], float] = time.monotonic,
+                 background: bool = True) -> None:
         self.runtime_env = dict(runtime_env)
         self.per_node = max(0, int(per_node))
-        self.keep_alive_s = keep_alive_s
-        self.prestart = prestart or ray_prestart
+        self.keep_alive_s, self.check_s = keep_alive_s, check_s
+        self._raylets = raylets
         self.clock = clock
         self.background = background
-        self.asked: dict[str, tuple[float, int]] = {}  # node id -> (when, how many) its processes were asked
+        self.mine: dict[str, set[int]] = {}  # node id -> pids of this job's idle processes there, last seen
+        self.want: dict[str, int] = {}  # node id -> how many were last asked to be kept there
+        self._checked_at = float("-inf")
+        self._backoff: dict[str, float] = {}  # node id -> not asked to start processes before then
+        self._lock = threading.Lock()
+        self._next: dict[str, int] | None = None  # the request the background thread runs next
+        self._thread: threading.Thread | None = None
+
+    @property
+    def raylets(self) -> Raylets:
+        if self._raylets is None:
+            from workers.raylets import RayRaylets
+
+            self._raylets = RayRaylets()
+        return self._raylets
 
     def keep(self, node_ids: Collection[str], standby: Mapping[str, int] | None = None) -> list[str]:
-        """Ask for `per_node` warm processes on each of the job's nodes (`node_ids`) and, on `standby`
+        """Keep `per_node` warm processes on each of the job's nodes (`node_ids`) and, on `standby`
         nodes (where ranks would move if one of the job's nodes were lost: workers.relocate), one for
-        each rank that would land there. A node is asked again once its processes were taken
-        (`taken`), when it now needs more, or when the keep-alive is running out. The nodes asked."""
+        each rank that would land there. Checked when that changes, after `taken`, and every
+        CHECK_S; the nodes checked now ([] when not due)."""
         if self.per_node == 0:
             return []
         want = dict.fromkeys(node_ids, self.per_node)
         for node, n in (standby or {}).items():
             want[node] = max(want.get(node, 0), int(n))
-        now, ask = self.clock(), {}
-        for node in sorted(want):
-            at, had = self.asked.get(node, (None, 0))
-            if at is not None and now - at < 0.9 * self.keep_alive_s and had >= want[node]:
-                continue
-            ask[node] = want[node]
-            self.asked[node] = (now, want[node])  # asked (or failed): not again before the keep-alive ends
-        if ask:
-            if self.background:
-                threading.Thread(target=self._prestart, args=(ask,), name="lattice-warm-workers",
-                                 daemon=True).start()
-            else:
-                self._prestart(ask)
-        return list(ask)
-
-    def _prestart(self, ask: Mapping[str, int]) -> None:
-        try:
-            failed = dict(self.prestart(ask, self.runtime_env, self.keep_alive_s))
-        except Exception as e:  # noqa: BLE001 - Ray's internal API: a replacement then starts cold
-            failed = dict.fromkeys(ask, str(e))
-        for node, why in sorted(failed.items()):
-            log.warning("no warm worker process on node %s: %s", node[:12], why)
+        now = self.clock()
+        if want == self.want and now - self._checked_at < self.check_s:
+            return []
+        self.want, self._checked_at = want, now
+        self._request(want)
+        with self._lock:
+            return sorted(set(want) | set(self.mine))
 
     def taken(self, node_ids: Collection[str]) -> None:
-        """New actors started on these nodes (replacements): their warm processes are used up."""
-        for node in node_ids:
-            self.asked.pop(node, None)
+        """New actors started on these nodes (replacements, ranks): they may have taken warm processes;
+        the next `keep` counts again."""
+        with self._lock:
+            ours = set(self.want) | set(self.mine)
+        if set(node_ids) & ours:
+            self._checked_at = float("-inf")
+
+    def release(self, wait_s: float = 30.0) -> None:
+        """The job is over: end its idle processes on every node, on the caller's thread (the
+        controller's last act; a process left behind would idle until the raylet reaps it), after
+        the check in flight (at most `wait_s`)."""
+        self.want, self._checked_at = {}, float("-inf")
+        with self._lock:
+            self._next, thread = None, self._thread
+        if thread is not None:
+            thread.join(wait_s)
+        self._sync({})
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait for the background checks to finish; whether they did."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+        return not (thread and thread.is_alive())
+
+    # ---- the raylet calls ---------------------------------------------------------------------------
+    def _request(self, want: dict[str, int]) -> None:
+        if not self.background:
+            self._sync(want)
+            return
+        with self._lock:
+            self._next = want
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lattice-warm-workers", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                want, self._next = self._next, None
+                if want is None:
+                    self._thread = None
+                    return
+            self._sync(want)
+
+    def _sync(self, want: Mapping[str, int]) -> None:
+        with self._lock:
+            nodes = sorted(set(want) | set(self.mine))
+        if not nodes:
+            return
+        with ThreadPoolExecutor(min(MAX_THREADS, len(nodes)), thread_name_prefix="lattice-warm") as pool:
+            for node, error in zip(nodes, pool.map(lambda n: self._sync_node(n, want.get(n, 0)), nodes),
+                                   strict=True):
+                if error:
+                    log.warning("warm worker processes on node %s: %s", node[:12], error)
+
+    def _sync_node(self, node: str, n: int) -> str | None:
+        """Make this job's idle processes on `node` number `n`; why not, or None. A node that did not
+        start what it was asked for is not asked again before the keep-alive ends (processes that
+        registered late are not counted as this job's: asking again each check would pile them up)."""
+        with self._lock:
+            mine = set(self.mine.get(node, ()))
+        error = None
+        try:
+            idle = self.raylets.idle(node)
+            mine &= idle
+            if len(mine) < n and self.clock() >= self._backoff.get(node, float("-inf")):
+                short = n - len(mine)
+                started = self.raylets.prestart(node, short, self.runtime_env, self.keep_alive_s, idle)
+                if len(started) < short:
+                    error = f"{short} process(es) asked, {len(started)} registered in time"
+                    self._backoff[node] = self.clock() + self.keep_alive_s
+                mine |= started
+            elif len(mine) > n:
+                mine -= self.raylets.drain(node, len(mine) - n, self.runtime_env)
+                mine = set(sorted(mine)[:n])  # one ended was not among ours (another job's, same env)
+        except Exception as e:  # noqa: BLE001 - Ray's internal API: a replacement then starts cold
+            error = f"{type(e).__name__}: {str(e)[:200]}"
+            if len(mine) < n:
+                self._backoff[node] = self.clock() + self.keep_alive_s
+        with self._lock:
+            if mine:
+                self.mine[node] = mine
+            else:
+                self.mine.pop(node, None)
+        return error
 
 
 def started_warm(actor: Any, asked_at: float, timeout_s: float) -> bool | None:
@@ -120,60 +207,4 @@ def started_warm(actor: Any, asked_at: float, timeout_s: float) -> bool | None:
     return since is not None and since < asked_at - WARM_MARGIN_S
 
 
-def ray_prestart(ask: Mapping[str, int], runtime_env: Mapping[str, Any],
-                 keep_alive_s: float) -> dict[str, str]:
-    """The raylets' PrestartWorkers RPC for this process's Ray job (the job of the actors it creates):
-    one lookup of the nodes' addresses, then calls per node. {node id: error} where it failed.
-
-    A raylet starts at most its node's CPU count of processes at once and drops the rest of a request
-    (Ray's maximum_startup_concurrency, ray._private.services; a simulated node of the embedded
-    cluster has one CPU), so a node asked for more gets them in batches, each once the last batch's
-    processes have registered with its raylet (GetNodeStats; at most REGISTER_TIMEOUT_S each)."""
-    import ray
-    from ray._private.grpc_utils import init_grpc_channel
-    from ray._private.utils import get_runtime_env_info
-    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
-    from ray.runtime_env import RuntimeEnv
-
-    nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
-    env_info = get_runtime_env_info(RuntimeEnv(**runtime_env), is_job_runtime_env=False)
-    job_id = bytes.fromhex(ray.get_runtime_context().get_job_id())
-    failed: dict[str, str] = {}
-    for node, count in sorted(ask.items()):
-        info = nodes.get(node)
-        if info is None:
-            failed[node] = "not an alive node"
-            continue
-        cap = max(1, int((info.get("Resources") or {}).get("CPU", 1)))
-        channel = init_grpc_channel(f"{info['NodeManagerAddress']}:{info['NodeManagerPort']}")
-        stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
-
-        def idle(stub: Any = stub) -> set[int]:  # this job's worker processes on the node with no actor
-            reply = stub.GetNodeStats(node_manager_pb2.GetNodeStatsRequest(), timeout=RPC_TIMEOUT_S)
-            return {w.pid for w in reply.core_workers_stats
-                    if w.job_id == job_id and set(w.actor_id) <= {0xFF}}  # nil actor id: all 0xff
-
-        try:
-            before = idle() if count > cap else set()
-            asked = 0
-            while asked < count:
-                batch = min(count - asked, cap)
-                stub.PrestartWorkers(node_manager_pb2.PrestartWorkersRequest(
-                    language=common_pb2.PYTHON, job_id=job_id, runtime_env_info=env_info,
-                    keep_alive_duration_secs=int(keep_alive_s), num_workers=batch), timeout=RPC_TIMEOUT_S)
-                asked += batch
-                deadline = time.monotonic() + REGISTER_TIMEOUT_S
-                while asked < count and len(idle() - before) < asked:  # the batch before the next one
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{asked} process(es) asked, "
-                                           f"{len(idle() - before)} registered in {REGISTER_TIMEOUT_S:.0f}s")
-                    time.sleep(0.25)
-        except Exception as e:  # noqa: BLE001 - one raylet's failure is that node's; the others are asked
-            failed[node] = str(e)[:200]
-        finally:
-            channel.close()
-    return failed
-
-
-__all__ = ["KEEP_ALIVE_S", "SETUP_HOOK_ENV_VAR", "WarmWorkers", "rank_runtime_env", "ray_prestart",
-           "started_warm"]
+__all__ = ["CHECK_S", "KEEP_ALIVE_S", "SETUP_HOOK_ENV_VAR", "WarmWorkers", "rank_runtime_env", "started_warm"]

@@ -18,6 +18,7 @@ from tests.faults.harness import (
     run_job,
     wait_for_free_gpus,
 )
+from tests.local_procs import processes_with_env, until
 from training.config.layout import Layout
 
 pytestmark = pytest.mark.ray
@@ -119,11 +120,16 @@ def test_a_replacement_starts_in_the_warm_process_kept_on_its_node(tmp_path, war
     none it is a new process. Both end bit-identical to a fault-free run. A job-unique environment
     keeps other tests' warm processes (same Ray job, same runtime env) out of the cold cell."""
     cfg = job_cfg(str(tmp_path / "ckpt"), steps=10)
+    cell = f"{warm}-{tmp_path.name}"
     opts = options({"kind": "kill_rank", "rank": 1, "at_step": 7}, warm_workers=warm,
-                   env_vars={"LATTICE_TEST_WARM_CELL": f"{warm}-{tmp_path.name}"})
+                   env_vars={"LATTICE_TEST_WARM_CELL": cell})
     snap = run_job(f"peer-warm-{warm}", cfg, opts)
     assert_succeeded_like_fault_free(snap, cfg)
     restart = _peer_restart(snap)
     assert restart["replaced"] == [1] and restart["spare_used"] is False
     assert restart["warm_process"] is bool(warm), restart
     assert events(snap, "restore")[0]["steps_lost"] == 0
+    # The job is over: its ranks and the warm process kept after the replacement took the first are
+    # gone, not left idle for the raylet to reap after the keep-alive (ten minutes).
+    left = f"LATTICE_TEST_WARM_CELL={cell}"
+    assert until(lambda: not processes_with_env(left)), processes_with_env(left)

@@ -377,6 +377,11 @@ class ControllerStateMachine:
         old = self.state
         if not quiet:
             self.log.emit(EventKind.STATE, f"{old} -> {new}: {reason}", StateChange(str(old), str(new)))
+        if new.terminal:  # before the state says so: whoever collects the job may end this process
+            try:
+                self.wg.close()
+            except Exception:  # the job has ended either way
+                log.exception("job %s: worker group close failed", self.job_id)
         self.state = new
         log.info("job %s: %s -> %s (%s)", self.job_id, old, new, reason)
         return Transition(old, new, reason)
