@@ -24,9 +24,14 @@ REGISTER_TIMEOUT_S = 30.0  # for one batch of started processes to register with
 NODES_STALE_S = 10.0  # how long a lookup of the nodes' addresses is reused
 
 
+class NodeGone(LookupError):
+    """The node is not alive (its processes went with it)."""
+
+
 class Raylets(Protocol):
     def idle(self, node: str) -> set[int]:
-        """The pids of this Ray job's idle worker processes on `node` (no actor in them)."""
+        """The pids of this Ray job's idle worker processes on `node` (no actor in them); NodeGone
+        when the node is not alive."""
 
     def prestart(self, node: str, count: int, runtime_env: Mapping[str, Any], keep_alive_s: float,
                  before: Collection[int]) -> set[int]:
@@ -116,7 +121,7 @@ class RayRaylets:
                 self._looked_up = time.monotonic()
             info = self._nodes.get(node)
         if info is None:
-            raise LookupError("not an alive node")
+            raise NodeGone("not an alive node")
         return info
 
     def _channel(self, node: str) -> _Stub:
@@ -146,4 +151,4 @@ def _job_id() -> bytes:
     return bytes.fromhex(ray.get_runtime_context().get_job_id())
 
 
-__all__ = ["RayRaylets", "Raylets"]
+__all__ = ["NodeGone", "RayRaylets", "Raylets"]

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from workers.engine_imports import SETUP_HOOK
-from workers.raylets import Raylets
+from workers.raylets import NodeGone, Raylets
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class WarmWorkers:
         self.want: dict[str, int] = {}  # node id -> how many were last asked to be kept there
         self._checked_at = float("-inf")
         self._backoff: dict[str, float] = {}  # node id -> not asked to start processes before then
+        self._errors: dict[str, str] = {}  # node id -> the last failure logged for it
         self._lock = threading.Lock()
         self._next: dict[str, int] | None = None  # the request the background thread runs next
         self._thread: threading.Thread | None = None
@@ -159,8 +160,12 @@ class WarmWorkers:
         with ThreadPoolExecutor(min(MAX_THREADS, len(nodes)), thread_name_prefix="lattice-warm") as pool:
             for node, error in zip(nodes, pool.map(lambda n: self._sync_node(n, want.get(n, 0)), nodes),
                                    strict=True):
-                if error:
+                if error and self._errors.get(node) != error:  # once, not at every check
                     log.warning("warm worker processes on node %s: %s", node[:12], error)
+                if error:
+                    self._errors[node] = error
+                else:
+                    self._errors.pop(node, None)
 
     def _sync_node(self, node: str, n: int) -> str | None:
         """Make this job's idle processes on `node` number `n`; why not, or None. A node that did not
@@ -182,6 +187,8 @@ class WarmWorkers:
             elif len(mine) > n:
                 mine -= self.raylets.drain(node, len(mine) - n, self.runtime_env)
                 mine = set(sorted(mine)[:n])  # one ended was not among ours (another job's, same env)
+        except NodeGone as e:  # its processes went with it; wanted again if it comes back
+            error, mine = f"{e}: none kept there", set()
         except Exception as e:  # noqa: BLE001 - Ray's internal API: a replacement then starts cold
             error = f"{type(e).__name__}: {str(e)[:200]}"
             if len(mine) < n:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from workers.engine_imports import SETUP_HOOK
+from workers.raylets import NodeGone
 from workers.warm_workers import SETUP_HOOK_ENV_VAR, WarmWorkers, rank_runtime_env
 
 ENV = rank_runtime_env({"OMP_NUM_THREADS": "1"})
@@ -31,9 +32,12 @@ class Raylets:
         self.started: list[tuple[str, int, float]] = []  # (node, count, keep-alive) per prestart
         self.drained: list[tuple[str, int]] = []
         self.fail = fail or set()
+        self.gone: set[str] = set()
         self.start_at_most = start_at_most
 
     def idle(self, node: str) -> set[int]:
+        if node in self.gone:
+            raise NodeGone("not an alive node")
         if node in self.fail:
             raise ConnectionError("raylet unreachable")
         return set(self.idle_procs.get(node, {}))
@@ -166,6 +170,23 @@ def test_a_failed_raylet_call_is_logged_not_raised_and_not_retried_every_check(
     clock.t = 601.0
     warm.keep({"a", "b"})
     assert [n for n, _, _ in raylets.started] == ["b", "a"]
+
+
+def test_a_lost_node_is_forgotten_and_a_failure_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    warm, raylets, clock = _warm()
+    warm.keep({"a", "b"})
+    raylets.gone.add("b")  # b died with its process; the job's ranks moved off it
+    raylets.idle_procs.pop("b")
+    clock.t = 61.0
+    warm.keep({"a"})
+    assert sorted(warm.mine) == ["a"]
+    raylets.fail.add("a")
+    for _ in range(5):
+        clock.t += 61.0
+        warm.keep({"a"})
+    assert caplog.text.count("on node a: ConnectionError") == 1
+    assert caplog.text.count("on node b: not an alive node") == 1
+    assert warm.mine == {"a": {100}}  # a's process is still counted as the job's
 
 
 def test_a_node_that_starts_fewer_than_asked_is_not_asked_each_check(
