@@ -140,6 +140,12 @@ JOB_SPARES = Gauge(
 JOB_SPARE_AGE = Gauge(
     "lattice_spare_age_seconds", "Age of the job's oldest hot spare (0: none).", JOB_LABELS, registry=REGISTRY
 )
+JOB_WARM_PROCESSES = Gauge(
+    "lattice_warm_processes",
+    "Idle worker processes with the engine imported kept for the job's replacement ranks "
+    "(workers.warm_workers), as last counted.",
+    JOB_LABELS, registry=REGISTRY,
+)
 JOB_REPLACEMENT_SECONDS = Histogram(
     "lattice_job_replacement_seconds",
     "Time from asking for a replacement rank to a warm actor (imports done), by whether a spare was used.",
@@ -202,6 +208,7 @@ PER_JOB_METRICS = (
     JOB_SDC,
     JOB_SPARES,
     JOB_SPARE_AGE,
+    JOB_WARM_PROCESSES,
     JOB_REPLACEMENT_SECONDS,
 )
 # Restart causes (the failure kinds and "unknown"): each job's restart series, and the fleet's, start at

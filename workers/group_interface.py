@@ -134,6 +134,10 @@ class WorkerGroup(ABC):
         """The job's hot spares (workers.spares): job, node, rack, state, age_s."""
         return []
 
+    def describe_warm(self) -> dict[str, int]:
+        """Node id -> the job's warm worker processes there, as last counted (workers.warm_workers)."""
+        return {}
+
     def replacement_info(self) -> dict[str, Any]:
         """How the last `replace_ranks` got its actors (workers.spares.JobSpares.replacement_info)."""
         return {}

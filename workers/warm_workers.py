@@ -124,6 +124,11 @@ class WarmWorkers:
             thread.join(wait_s)
         self._sync({})
 
+    def describe(self) -> dict[str, int]:
+        """Node id -> this job's idle processes there, as last counted."""
+        with self._lock:
+            return {node: len(pids) for node, pids in sorted(self.mine.items())}
+
     def settle(self, timeout_s: float) -> bool:
         """Wait for the background checks to finish; whether they did."""
         with self._lock:

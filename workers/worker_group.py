@@ -190,6 +190,9 @@ class RayWorkerGroup(WorkerGroup):
     def describe_spares(self) -> list[dict[str, Any]]:
         return self._spares.describe()
 
+    def describe_warm(self) -> dict[str, int]:
+        return self._warm.describe()
+
     def referee_spare(self, exclude: Collection[str]) -> Any | None:
         """A warm spare outside `exclude` for the SDC referee (workers.referee), or None."""
         return self._spares.for_referee(exclude)

@@ -79,6 +79,8 @@ class JobMetrics:
         observe_fault_events(self.job_id, events, snap)
         self.spares = [dict(s) for s in snap.get("spares") or []]
         observe_spares(labels, self.spares)
+        warm = snap.get("warm_processes") or {}
+        metrics.JOB_WARM_PROCESSES.labels(*labels).set(sum(_number(n) or 0 for n in warm.values()))
 
     def _observe_event(self, labels: tuple[str, str, str], e: Mapping[str, Any]) -> None:
         kind = e["kind"]

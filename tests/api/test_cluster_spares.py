@@ -75,18 +75,23 @@ def test_spare_metrics_follow_the_snapshots_and_leave_with_the_job() -> None:
     metrics.name_job(job, "sp", "team-a")
     observer = JobMetrics(job)
     restart = {"seq": 3, "kind": "restart", "path": "fast", "spare_used": True, "replacement_s": 0.05}
-    observer.observe({"progress": {"step": 4}, "spares": SPARES}, [restart])
+    observer.observe({"progress": {"step": 4}, "spares": SPARES, "warm_processes": {"n1": 1, "n2": 2}},
+                     [restart])
+    assert _sample("lattice_warm_processes", job) == 3
     assert _sample("lattice_spares", job, state="warm") == 1
     assert _sample("lattice_spares", job, state="starting") == 1
     assert _sample("lattice_spare_age_seconds", job) == 12.5
     assert _sample("lattice_job_replacement_seconds_count", job, spare="true") == 1
     assert observer.spares == SPARES
     observer.observe({"progress": {"step": 5}, "spares": []}, [])
+    assert _sample("lattice_warm_processes", job) == 0
     assert _sample("lattice_spares", job, state="warm") == 0
     assert _sample("lattice_spare_age_seconds", job) == 0
     metrics.forget_job(job)
     with pytest.raises(AssertionError):
         _sample("lattice_spares", job)
+    with pytest.raises(AssertionError):
+        _sample("lattice_warm_processes", job)
 
 
 def test_warm_worker_processes_per_node_come_from_the_service_setting_and_are_bounded() -> None:

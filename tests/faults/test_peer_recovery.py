@@ -132,4 +132,5 @@ def test_a_replacement_starts_in_the_warm_process_kept_on_its_node(tmp_path, war
     # The job is over: its ranks and the warm process kept after the replacement took the first are
     # gone, not left idle for the raylet to reap after the keep-alive (ten minutes).
     left = f"LATTICE_TEST_WARM_CELL={cell}"
+    assert snap["warm_processes"] == {}  # ended before the controller reported the job finished
     assert until(lambda: not processes_with_env(left)), processes_with_env(left)

@@ -38,6 +38,7 @@ def test_a_jobs_warm_process_is_counted_renewed_taken_and_ended(ray_cluster) -> 
     try:
         warm.keep({node})
         (pid,) = warm.mine[node]
+        assert warm.describe() == {node: 1}
         assert processes_with_env(marker) == {pid} and pid in warm.raylets.idle(node)
 
         for _ in range(3):  # renewals while it is still idle: no second process

@@ -106,6 +106,7 @@ def test_a_long_job_keeps_one_process_per_node_not_one_more_each_renewal() -> No
         warm.keep({"a", "b"})
     assert raylets.count("a") == raylets.count("b") == 1
     assert len(raylets.started) == 2
+    assert warm.describe() == {"a": 1, "b": 1}  # what GET /metrics shows (lattice_warm_processes)
 
 
 def test_a_process_taken_or_reaped_is_replaced_by_one() -> None:
@@ -153,7 +154,7 @@ def test_release_ends_every_process_the_job_kept() -> None:
     raylets.add("a", OTHER)
     warm.release()
     assert (raylets.count("a"), raylets.count("b"), raylets.count("c")) == (1, 0, 0)  # OTHER's stays
-    assert warm.mine == {}
+    assert warm.mine == {} and warm.describe() == {}
     assert warm.keep({"a", "b"}) == ["a", "b"]  # a job that is started again keeps them again
 
 

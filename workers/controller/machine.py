@@ -433,6 +433,7 @@ class ControllerStateMachine:
                 "node_health": dict(self.attributor.nodes.health),
                 "faults": self.fault_stats(),
                 "spares": self.wg.describe_spares(),  # workers.spares: job, node, rack, state, age_s
+                "warm_processes": self.wg.describe_warm(),  # workers.warm_workers: node id -> count
             }
 
     def fault_stats(self) -> dict[str, Any]:
