@@ -11,10 +11,9 @@ source, restores the newest valid checkpoint, then runs `cfg.steps` optimizer st
      the DP reduction held back until the last one), or the pipeline schedule (pp > 1);
   3. the DP gradient average completes; optional clipping; the optimizer steps;
   4. the global-batch mean loss (the same on every rank), NaN/Inf and spike checks, and every
-     `integrity.fingerprint_every` steps the DP replicas' parameter fingerprints are compared
-     (only when replicas must be bitwise equal: ZeRO-0/1 with dp > 1); before the DP reduction
-     each rank also checks its own gradient norm (`hooks.audit`, training.integrity.attribution),
-     and the DP reduction carries the gradient checks (training.integrity.gradient; opt-in .abft);
+     `integrity.fingerprint_every` steps the DP replicas' fingerprints are compared (ZeRO-0/1 with
+     dp > 1, HSDP); each rank checks its own gradient norm before the DP reduction (`hooks.audit`),
+     which carries the gradient checks (training.integrity.gradient; opt-in .abft);
   5. the hooks see the progress and may ask for a checkpoint or a stop.
 Control decisions (checkpoint, stop, integrity failure) are agreed by all ranks with one small
 all-reduce per step, so no rank leaves a collective the others are in. A failed check that a vote
@@ -56,7 +55,7 @@ from training.integrity.gradient import attach_gradient_audits, take_gradient_ch
 from training.integrity.history import history_state, load_history
 from training.integrity.settle import attribute, probe_rerun, rerun_check
 from training.model.transformer import Transformer
-from training.parallel.dist import DistContext, agree_flags, peak_flops
+from training.parallel.dist import DistContext, agree_flags, gloo_links, peak_flops
 from training.parallel.memory import MemoryAccount, SavedTensorMeter, account, grad_bytes
 from training.parallel.mesh import ParallelDims
 from training.parallel.optim import (
@@ -118,6 +117,9 @@ class Trainer:
         snapshot = audit is not None and audit.wants_snapshot(layout.dp, layout.zero_stage)
         self.snapshot = StepSnapshot(self.parts, self.optimizers) if snapshot else None
         self.last_vote: FingerprintVote | None = None
+        self.links = gloo_links() if self.hooks.keep_state_on_failure else None  # parallel.links
+        if self.links is not None:
+            self.links.record()
         self.pending_vote: FingerprintVote | None = None
         self.fingerprint_ran = False
         self.verified_step: int | None = None  # the last step whose integrity checks all passed
@@ -289,8 +291,9 @@ class Trainer:
 
     @property
     def replicas_comparable(self) -> bool:
-        """DP replicas must hold bitwise-equal parameters (ZeRO-0/1 with dp > 1)."""
-        return self.cfg.layout.zero_stage <= 1 and self.cfg.layout.dp > 1
+        """DP replicas hold bitwise-equal (local) parameters: ZeRO-0/1 with dp > 1, or HSDP."""
+        layout = self.cfg.layout
+        return layout.dp > 1 and (layout.zero_stage <= 1 or layout.dp_replicate > 1)
 
     def check_integrity(self, step: int, loss: float) -> IntegrityError | None:
         cfg = self.cfg
@@ -338,6 +341,8 @@ def train(ctx: DistContext, cfg: RunConfig, hooks: TrainHooks | None = None, *, 
         return _run(trainer, hooks, resume)
     except BaseException:
         _keep_for_peers(trainer, hooks)
+        if trainer.links is not None:  # then free the peers blocked on this rank in a collective
+            trainer.links.sever()
         raise
     finally:
         trainer.close()  # an async save still in flight after a failure dies with the attempt

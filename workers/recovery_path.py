@@ -7,8 +7,9 @@ same step, and every lost rank has a surviving peer at the same (pp, tp, cp) coo
 same model shard in another DP replica. Under ZeRO-1 with shadow shards (training.parallel.zero) a
 lost rank's optimizer shard survives only on the rank that shadows it, its predecessor in the DP
 ring (dp - 1 mod DP), which must survive and be its source; its own shadow (of dp + 1's shard) is
-copied from that owner, which survives too as no two ring neighbours were both lost. Otherwise the
-reason says why the checkpoint is used.
+copied from that owner, which survives too as no two ring neighbours were both lost. Under ZeRO-2/3
+with HSDP (layout.dp_replicate > 1) a peer must also hold the same FSDP shard: the same position in
+another replicate group (dp mod dp_shard). Otherwise the reason says why the checkpoint is used.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def choose(run_cfg: RunConfig, ranks: Sequence[RankPlacement], lost: Collection[
             if not peers:
                 return RecoveryPath("checkpoint", f"rank {r.rank}'s ZeRO-1 shard was lost with its shadow "
                                     f"(DP ring neighbour dp {(r.dp - 1) % dp} lost too)")
+        if run_cfg.layout.zero_stage >= 2:  # HSDP: the same FSDP shard is in each replicate group
+            shard = run_cfg.layout.dp_shard
+            peers = [s for s in peers if s.dp % shard == r.dp % shard]
         if not peers:
             return RecoveryPath("checkpoint", f"rank {r.rank} has no healthy DP peer (its shard is lost)")
         src = min(peers, key=lambda s: (load.get(s.rank, 0), s.rank))  # spread the sends

@@ -105,8 +105,10 @@ def _render(p: Plan, console: Console) -> None:
         "virtual_stages",
         "sequence_parallel",
         "recompute",
+        "dp_replicate",  # in a plan's layout only under HSDP
     ):
-        t.add_row(key, str(lay[key]))
+        if key in lay:
+            t.add_row(key, str(lay[key]))
     console.print(t)
 
     mem = Table(title="memory per GPU", show_header=False)

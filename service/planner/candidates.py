@@ -74,6 +74,7 @@ def candidate_layout(stage: Stage, micro: Micro, combo: Combo, z: int) -> Layout
         sequence_parallel=micro.sp,
         recompute=micro.recompute,
         virtual_stages=stage.v,
+        dp_replicate=f.r,
     )
 
 
@@ -84,6 +85,7 @@ def comm_total(c: Candidate) -> float:
         m * stage.layers * (micro.tp_bytes + micro.cp_bytes + micro.ep_bytes)
         + m * stage.v * micro.p2p_bytes
         + stage.dp_bytes_once[z]
+        + stage.hsdp_bytes[z]
         + m * stage.dp_bytes_per_mb[z]
     )
 
@@ -159,6 +161,7 @@ class CandidateSearch:
 
     def run(self) -> None:
         env, model = self.env, self.env.model
+        r = self.fixed.get("dp_replicate", 1)  # HSDP only when given: no search dimension of its own
         for tp in self.tp_options():
             if model.is_moe and tp > 1:
                 # The engine splits experts with ep, not tp (training.config.validate.check_layout_for_model).
@@ -170,6 +173,9 @@ class CandidateSearch:
                     continue  # each CP rank holds two chunks for causal load balance
                 if cp > 1 and env.s // cp < MIN_CP_TOKENS and "cp" not in self.fixed:
                     break
+                if cp > 1 and r > 1:
+                    self._reject(f"cp={cp}", f"dp_replicate={r} needs cp = 1 (HSDP shards over DP only)")
+                    continue
                 span = tp * cp
                 if not given and env.n > env.rack and (span > env.rack or env.rack % span):
                     self._reject(f"cp={cp}", f"cp={cp} with tp={tp} spans more than a {env.rack}-GPU rack")
@@ -196,25 +202,37 @@ class CandidateSearch:
                     if env.g % dp:
                         self._reject(name, f"dp={dp} does not divide global batch {env.g}")
                         continue
-                    eps = divisors(math.gcd(model.num_experts, dp * cp)) if model.is_moe else [1]
+                    if dp % r:
+                        self._reject(name, f"dp_replicate={r} does not divide dp={dp}")
+                        continue
+                    eps = divisors(math.gcd(model.num_experts, dp * cp)) if model.is_moe and r == 1 else [1]
                     for ep in (e for e in eps if self._allowed("ep", e)):
                         self.families += 1
-                        if self._family(
-                            Family(env, tp, cp, pp, dp, ep), name + (f",ep={ep}" if ep > 1 else "")
-                        ):
+                        label = name + (f",ep={ep}" if ep > 1 else "")
+                        label += f",dp_replicate={r}" if r > 1 else ""
+                        if self._family(Family(env, tp, cp, pp, dp, ep, r), label):
                             return
 
-    def _family(self, fam: Family, name: str) -> bool:
-        """Search one family; True when first_fit found a fit."""
-        env, key = self.env, fam.key()
-        cap, zs = env.capacity, self.zs
-        zs = tuple(z for z in zs if self._allowed("zero_stage", z))
+    def _zero_stages(self, fam: Family, name: str) -> tuple[int, ...]:
+        """The ZeRO stages this family may use (rejecting it when none)."""
+        zs = tuple(z for z in self.zs if self._allowed("zero_stage", z))
         if fam.ep > 1:
             # FSDP of expert-parallel weights is not implemented; ZeRO-1 shards their optimizer state.
             zs = tuple(z for z in zs if z <= 1)
             if not zs:
                 self._reject(name, "ep > 1 needs zero stage 0 or 1")
-                return False
+        if fam.r > 1:  # HSDP replicates FSDP2's shards (training.config.layout)
+            zs = tuple(z for z in zs if z >= 2)
+            if not zs:
+                self._reject(name, f"dp_replicate={fam.r} needs zero stage 2 or 3")
+        return zs
+
+    def _family(self, fam: Family, name: str) -> bool:
+        """Search one family; True when first_fit found a fit."""
+        env, key = self.env, fam.key()
+        cap, zs = env.capacity, self._zero_stages(fam, name)
+        if not zs:
+            return False
         b_local = env.g // fam.dp
         stages: dict[tuple[int, bool], Stage] = {}
         best: Candidate | None = None
@@ -349,7 +367,7 @@ def validate_layout(env: Env, layout: Layout) -> None:
 
 def detail_for(env: Env, layout: Layout) -> Detail:
     validate_layout(env, layout)
-    fam = Family(env, layout.tp, layout.cp, layout.pp, layout.dp, layout.ep)
+    fam = Family(env, layout.tp, layout.cp, layout.pp, layout.dp, layout.ep, layout.dp_replicate)
     stage = Stage(fam, layout.virtual_stages, layout.schedule in V_SHAPED)
     micro = Micro(fam, layout.micro_batch_size, layout.sequence_parallel, layout.recompute)
     combo = combine(stage, micro, layout.schedule, layout.num_microbatches)

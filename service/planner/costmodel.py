@@ -153,20 +153,25 @@ def _collective(kind: str, nbytes: float, n: int, tier: Tier, count: int) -> tup
 
 
 class Family:
-    """One (tp, cp, pp, dp, ep) split of the cluster."""
+    """One (tp, cp, pp, dp, ep) split of the cluster, with `r` HSDP replicate groups (dp_replicate)."""
 
     # fmt: off
-    __slots__ = ("env", "tp", "cp", "pp", "dp", "ep", "d", "d_e", "tp_tier", "cp_tier", "dp_tier",
-        "pp_tier", "ep_tier", "p_layer_dense", "p_layer_expert", "emb", "head", "shadowed")
+    __slots__ = ("env", "tp", "cp", "pp", "dp", "ep", "r", "d", "d_e", "d_shard", "tp_tier", "cp_tier",
+        "dp_tier", "shard_tier", "pp_tier", "ep_tier", "p_layer_dense", "p_layer_expert", "emb", "head",
+        "shadowed")
     # fmt: on
 
-    def __init__(self, env: Env, tp: int, cp: int, pp: int, dp: int, ep: int) -> None:
-        self.env, self.tp, self.cp, self.pp, self.dp, self.ep = env, tp, cp, pp, dp, ep
+    def __init__(self, env: Env, tp: int, cp: int, pp: int, dp: int, ep: int, r: int = 1) -> None:
+        self.env, self.tp, self.cp, self.pp, self.dp, self.ep, self.r = env, tp, cp, pp, dp, ep, r
         self.d = dp * cp  # ranks that hold the same parameters (CP ranks join the gradient reduction)
         self.d_e = self.d // ep  # ranks that hold the same experts
+        # ZeRO-2/3 shard over d_shard consecutive DP ranks: all of them, or one of HSDP's r groups
+        # (r > 1 only with cp = ep = 1, training.config.layout); the r groups all-reduce across dp_tier.
+        self.d_shard = self.d // r
         self.tp_tier = env.tier(tp)
         self.cp_tier = env.tier(tp * cp)
         self.dp_tier = env.tier(tp * cp * dp)
+        self.shard_tier = self.dp_tier if r == 1 else env.tier(tp * cp * dp // r)
         self.pp_tier = env.tier(env.n)  # the slowest stage boundary paces a synchronous pipeline
         self.ep_tier = env.tier(tp * ep)
         c = env.counts
@@ -181,8 +186,8 @@ class Family:
         self.shadowed = (t.shadow_optimizer and self.d > 1
                          and not shadow_conflicts(precision=t.precision, cp=cp, ep=ep))
 
-    def key(self) -> tuple[int, int, int, int, int]:
-        return (self.tp, self.cp, self.pp, self.dp, self.ep)
+    def key(self) -> tuple[int, ...]:
+        return (self.tp, self.cp, self.pp, self.dp, self.ep, self.r)
 
 
 class Stage:
@@ -190,7 +195,7 @@ class Stage:
 
     # fmt: off
     __slots__ = ("fam", "v", "vshape", "layers", "same_rank", "state_first", "state_last", "buffers",
-        "dp_once", "dp_per_mb", "dp_bytes_once", "dp_bytes_per_mb", "opt")
+        "dp_once", "dp_per_mb", "dp_bytes_once", "dp_bytes_per_mb", "hsdp_once", "hsdp_bytes", "opt")
     # fmt: on
 
     def __init__(self, fam: Family, v: int, vshape: bool) -> None:
@@ -212,30 +217,39 @@ class Stage:
         self.buffers: list[float] = []
         shadow = fam.shadowed
         for z in range(4):
+            d = fam.d_shard if z >= 2 else fam.d  # FSDP2 (ZeRO-2/3) shards within one HSDP group
             ed = model_state_bytes(expert, z, fam.d_e, bpp, fsdp2=True)
-            fd = model_state_bytes(first_dense, z, fam.d, bpp, fsdp2=True, shadow=shadow)
-            ld = model_state_bytes(last_dense, z, fam.d, bpp, fsdp2=True, shadow=shadow)
+            fd = model_state_bytes(first_dense, z, d, bpp, fsdp2=True, shadow=shadow)
+            ld = model_state_bytes(last_dense, z, d, bpp, fsdp2=True, shadow=shadow)
             self.state_first.append((fd[0] + ed[0], fd[1] + ed[1], fd[2] + ed[2]))
             self.state_last.append((ld[0] + ed[0], ld[1] + ed[1], ld[2] + ed[2]))
             # ZeRO-3 gathers a layer before use and prefetches the next one (Zhao et al. 2023, FSDP).
             layer = fam.p_layer_dense + fam.p_layer_expert
-            self.buffers.append(2 * bpp[0] * layer if z == 3 and fam.d > 1 else 0.0)
+            self.buffers.append(2 * bpp[0] * layer if z == 3 and fam.d_shard > 1 else 0.0)
         # DP traffic of the busier rank, one collective per layer (bucket); dense and expert groups in turn.
         big = max(first_dense, last_dense)
         once = [0.0] * 4
         per_mb = [0.0] * 4
         bytes_once = [0.0] * 4
         bytes_per_mb = [0.0] * 4
-        for params, n in ((big, fam.d), (expert, fam.d_e)):
+        self.hsdp_once, self.hsdp_bytes = [0.0] * 4, [0.0] * 4
+        groups = ((big, fam.d, fam.d_shard, fam.shard_tier), (expert, fam.d_e, fam.d_e, fam.dp_tier))
+        for params, n, ns, shard_tier in groups:
             if n <= 1 or params <= 0:
                 continue
             grad, weights = bpp[1] * params, bpp[0] * params
             ar = _collective("all_reduce", grad, n, fam.dp_tier, self.layers)
             rs = _collective("reduce_scatter", grad, n, fam.dp_tier, self.layers)
-            ag = _collective("all_gather", weights, n, fam.dp_tier, self.layers)
+            ag = _collective("all_gather", weights, ns, shard_tier, self.layers)
             # FSDP2 (ZeRO-2/3) reduce-scatters in fp32 (training/parallel/precision.fsdp_policy, torchtitan's
-            # default); our own DDP/ZeRO-1 reduce in the gradients' dtype.
-            rs32 = _collective("reduce_scatter", max(bpp[1], 4) * params, n, fam.dp_tier, self.layers)
+            # default); our own DDP/ZeRO-1 reduce in the gradients' dtype. Both within the shard group.
+            rs32 = _collective("reduce_scatter", max(bpp[1], 4) * params, ns, shard_tier, self.layers)
+            # HSDP: the n/ns groups ring-all-reduce their fp32 gradient shards once per step (Zhao et al.
+            # 2023, PyTorch FSDP, "hybrid sharding"; torchtitan's dp_replicate); 0 when n == ns.
+            hs = _collective("all_reduce", max(bpp[1], 4) * params / ns, n // ns, fam.dp_tier, self.layers)
+            for z in (2, 3):
+                self.hsdp_bytes[z] += hs[0]
+                self.hsdp_once[z] += hs[1]
             # ZeRO-0: all-reduce once; ZeRO-1: reduce-scatter + all-gather once (same bytes, lecture 18:47);
             # ZeRO-2: reduce-scatter every micro-batch (grads stay sharded) + all-gather once;
             # ZeRO-3: all-gather forward and backward + reduce-scatter, every micro-batch (3x params).
@@ -253,8 +267,8 @@ class Stage:
                     bytes_per_mb[z] += p[0]
                     per_mb[z] += p[1]
         units = self.layers + 1  # a unit per block plus the root (embedding, head; training/parallel/fsdp.py)
-        unit = env.eff.fsdp_unit_time(bpp[0] * big / units, fam.dp_tier.bw) if fam.d > 1 else None
-        if unit is not None and fam.dp_tier is env.node_tier and expert <= 0:
+        unit = env.eff.fsdp_unit_time(bpp[0] * big / units, fam.shard_tier.bw) if fam.d_shard > 1 else None
+        if unit is not None and fam.shard_tier is env.node_tier and expert <= 0:
             # Measured on this node type as FSDP2 issues it (training/calibration/engine.py): per unit of
             # the mean unit's size, its all-gathers and reduce-scatter with their copies and hooks.
             per_mb[3] = units * unit
@@ -269,7 +283,7 @@ class Stage:
         """Seconds of the optimizer step for each ZeRO stage on the busiest rank."""
         fam, env = self.fam, self.fam.env
         eff, m = env.eff, env.model
-        params = [big + expert] + [big / fam.d + expert / fam.d_e] * 3
+        params = [big + expert, big / fam.d + expert / fam.d_e] + [big / fam.d_shard + expert / fam.d_e] * 2
         shadow = 2 if fam.shadowed else 1  # ZeRO-1 shadow shards: the successor's shard is stepped too
         params[1] *= shadow
         if eff.optimizer_param <= 0:  # memory-bound elementwise work on the (sharded) fp32 state
@@ -409,7 +423,7 @@ def dp_exposed(stage: Stage, combo: Combo, z: int) -> float:
     bucket (about one layer's share) can never overlap, and what overlaps slows compute by
     OVERLAP_SLOWDOWN.
     """
-    total = stage.dp_once[z] + combo.m * stage.dp_per_mb[z]
+    total = stage.dp_once[z] + stage.hsdp_once[z] + combo.m * stage.dp_per_mb[z]
     window = combo.compute_mb * (combo.m if z >= 2 else 1)
     exposed = max(total - window, total / stage.layers)
     return exposed + stage.fam.env.gpu.overlap_slowdown * (total - exposed)

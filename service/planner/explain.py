@@ -11,7 +11,7 @@ from service.planner.costmodel import Env
 from service.planner.errors import PlannerError
 from service.planner.result import Detail, Plan, describe, fmt_bytes, why_slower
 from service.planner.specs import MAX_GPUS
-from training.config.layout import Layout, LayoutError
+from training.config.layout import LayoutError
 
 MAX_REASONS_LISTED = 8
 
@@ -61,9 +61,22 @@ def alternative(env: Env, d: Detail, best: Detail) -> dict[str, Any]:
     }
 
 
-def _variant_note(env: Env, base: Detail, label: str, layout: Layout) -> str | None:
-    try:
-        d = detail_for(env, layout)
+def hsdp_note(d: Detail) -> str | None:
+    """What HSDP (dp_replicate > 1) shards and sends, for the reasons; None without it."""
+    lay = d.layout
+    if lay.dp_replicate <= 1:
+        return None
+    return (
+        f"dp_replicate={lay.dp_replicate} (HSDP): ZeRO-{lay.zero_stage} shards over dp_shard={lay.dp_shard} "
+        f"ranks on the {d.tiers['dp']} tier, so each holds 1/{lay.dp_shard} of the state; the "
+        f"{lay.dp_replicate} replicas all-reduce their gradient shards on the "
+        f"{d.tiers['dp_replicate']} tier, {fmt_bytes(d.comm['dp_replicate'])} per GPU per step"
+    )
+
+
+def _variant_note(env: Env, base: Detail, label: str, **changes: Any) -> str | None:
+    try:  # a variant the Layout itself refuses (e.g. zero=1 with dp_replicate > 1) gets no note
+        d = detail_for(env, base.layout.with_(**changes))
     except (PlannerError, LayoutError):
         return None
     if not d.fits:
@@ -111,14 +124,17 @@ def explain(env: Env, d: Detail, p: Plan, search: CandidateSearch, zs: Sequence[
             f"dp={lay.dp} gradient traffic crosses the {d.tiers['dp']} tier, "
             f"{d.time_s['dp_exposed'] * 1e3:.3g} ms of it exposed"
         )
+    hsdp = hsdp_note(d)
+    if hsdp:
+        out.append(hsdp)
     for z in zs:
         if z != lay.zero_stage:
-            note = _variant_note(env, d, f"zero={z}", lay.with_(zero_stage=z))
+            note = _variant_note(env, d, f"zero={z}", zero_stage=z)
             if note:
                 out.append(note)
     for rc in RECOMPUTE:
         if rc != lay.recompute:
-            note = _variant_note(env, d, f"recompute={rc}", lay.with_(recompute=rc))
+            note = _variant_note(env, d, f"recompute={rc}", recompute=rc)
             if note:
                 out.append(note)
     if lay.tp > 1:
@@ -126,7 +142,7 @@ def explain(env: Env, d: Detail, p: Plan, search: CandidateSearch, zs: Sequence[
             env,
             d,
             f"sequence_parallel={'off' if lay.sequence_parallel else 'on'}",
-            lay.with_(sequence_parallel=not lay.sequence_parallel),
+            sequence_parallel=not lay.sequence_parallel,
         )
         if note:
             out.append(note)

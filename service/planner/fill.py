@@ -272,6 +272,9 @@ def _merge(env: Env, base: dict[str, Any], fields: Mapping[str, Any]) -> dict[st
         merged["sequence_parallel"] = False
     if "ep" not in fields and (merged["dp"] * merged["cp"]) % merged["ep"]:
         merged["ep"] = 1
+    if "dp_replicate" not in fields and (merged["dp"] % merged["dp_replicate"] or merged["zero_stage"] < 2
+                                         or merged["cp"] > 1 or merged["ep"] > 1):
+        merged["dp_replicate"] = 1
     return merged
 
 
@@ -307,4 +310,8 @@ def _why_chosen(env: Env, fields: Mapping[str, Any], lay: Layout, name: str) -> 
         return f"{_FAST} interleaving depth for {lay.schedule}"
     if name == "sequence_parallel" and lay.tp == 1:
         return f"{src('tp')}: nothing to split"
+    if name == "dp_replicate":
+        if lay.zero_stage < 2:
+            return f"{src('zero_stage')}: HSDP replicates ZeRO-2/3 shards only"
+        return "one FSDP shard group over all dp ranks; HSDP (dp_replicate > 1) only when given"
     return f"{_FAST} that fits; ties go to less traffic, then the lower ZeRO stage"

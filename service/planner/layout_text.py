@@ -21,7 +21,8 @@ _ALIASES = {
     "schedule": "schedule",
     "recompute": "recompute",
 }
-_INTS = ("tp", "pp", "dp", "cp", "ep", "zero_stage", "micro_batch_size", "num_microbatches", "virtual_stages")
+_INTS = ("tp", "pp", "dp", "cp", "ep", "zero_stage", "micro_batch_size", "num_microbatches", "virtual_stages",
+         "dp_replicate")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 

@@ -90,7 +90,7 @@ def build_detail(stage: Stage, micro: Micro, combo: Combo, z: int, layout: Layou
     comm = {
         "tp": m * layers * micro.tp_bytes,
         "pp": m * stage.v * micro.p2p_bytes,
-        "dp": stage.dp_bytes_once[z] + m * stage.dp_bytes_per_mb[z],
+        "dp": stage.dp_bytes_once[z] + m * stage.dp_bytes_per_mb[z],  # HSDP's all-reduce: dp_replicate
         "cp": m * layers * micro.cp_bytes,
         "ep": m * layers * micro.ep_bytes,
     }
@@ -101,6 +101,9 @@ def build_detail(stage: Stage, micro: Micro, combo: Combo, z: int, layout: Layou
         "pp": fam.pp_tier.name,
         "ep": fam.ep_tier.name,
     }
+    if fam.r > 1:  # HSDP: FSDP's collectives stay in a shard group; the gradient all-reduce spans dp
+        comm["dp_replicate"] = stage.hsdp_bytes[z]
+        tiers["dp"], tiers["dp_replicate"] = fam.shard_tier.name, fam.dp_tier.name
     return Detail(layout, step, memory, time_s, comm, combo.bubble, mem_total <= env.capacity, tiers)
 
 
@@ -197,6 +200,8 @@ class Plan:
                 "virtual_stages": lay.virtual_stages,
                 "sequence_parallel": lay.sequence_parallel,
                 "recompute": lay.recompute,
+                # HSDP only (so plans without it keep their fields): Layout.from_dict reads it back
+                **({"dp_replicate": lay.dp_replicate} if lay.dp_replicate > 1 else {}),
             },
             "memory_per_gpu_bytes": {k: int(round(v)) for k, v in self.memory_per_gpu_bytes.items()},
             "fits": self.fits,

@@ -20,7 +20,7 @@ from typing import Any
 from service.planner.candidates import DEFAULT_SCHEDULES, CandidateSearch, candidate_layout, detail_for
 from service.planner.costmodel import Env
 from service.planner.errors import PlannerError
-from service.planner.explain import alternative, explain, too_big_message
+from service.planner.explain import alternative, explain, hsdp_note, too_big_message
 from service.planner.result import Plan, build_detail, describe, fmt_bytes
 from service.planner.specs import ClusterSpec, TrainSpec
 from training.config.layout import MULTI_STAGE_SCHEDULES, SCHEDULES, Layout
@@ -126,6 +126,9 @@ def evaluate(
         reasons.append(
             f"does not fit: needs {fmt_bytes(d.memory['total'])} > {fmt_bytes(env.capacity)} per GPU"
         )
+    hsdp = hsdp_note(d)
+    if hsdp:
+        reasons.append(hsdp)
     if layout.tp > env.gpn or env.gpn % layout.tp:
         reasons.append(
             f"tp={layout.tp} crosses the {env.gpn}-GPU node: its all-reduces run on the {d.tiers['tp']} tier"

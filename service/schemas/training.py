@@ -116,6 +116,11 @@ class LayoutSpec(StrictModel):
     virtual_stages: int | None = Field(
         None, ge=1, le=1024, description="Stages per pipeline rank (interleaved/V schedules)."
     )
+    dp_replicate: int | None = Field(
+        None, ge=1, le=MAX_DEGREE,
+        description="ZeRO-2/3: copies of each FSDP shard (HSDP: shard over dp / dp_replicate ranks, "
+        "replicate across groups), so a lost rank recovers from a peer without rollback.",
+    )
 
     def given(self) -> dict[str, Any]:
         """The fields that were given (unset and null ones left out)."""
@@ -195,8 +200,8 @@ class FaultTolerancePolicy(StrictModel):
         "a lost rank comes back from its peers (its shard, parameters and data position) with no step "
         "lost instead of from the checkpoint. Costs 1/DP more optimizer state memory and optimizer step "
         "time per rank; fp32 runs without context or expert parallelism (a spec that gives another "
-        "zero_stage, cp or ep > 1, or bf16 is refused); ZeRO-2/3 (FSDP) keep the checkpoint path "
-        "(docs/fault_tolerance.md)."
+        "zero_stage, cp or ep > 1, or bf16 is refused); ZeRO-2/3 (FSDP) get peer recovery from "
+        "parallelism.dp_replicate > 1 (HSDP) instead (docs/fault_tolerance.md)."
     )
     elastic: bool = Field(
         False, description="Shrink to a smaller DP when capacity is lost and grow back when it returns, "

@@ -39,3 +39,20 @@ def revive_nodes(ray_cluster: Any, node_killer: Any) -> Iterator[Any]:
             if len(topo.gpu_nodes) == len(racks) and topo.gpus_free == topo.gpus_total == gpus:
                 break
             time.sleep(0.2)
+
+
+@pytest.fixture
+def two_free_gpus_per_node():
+    """Hold two GPUs of every node, so that a job puts each pair of consecutive ranks (a TP 2 x DP 2
+    replica, an HSDP replicate group of two) on its own node."""
+    from ray.util.placement_group import placement_group
+
+    from workers.placement import NODE_ID_LABEL, release
+    from workers.topology import Topology
+
+    nodes = Topology.from_ray(include_dead=False).gpu_nodes
+    pg = placement_group([{"GPU": 1.0}] * (2 * len(nodes)), strategy="PACK",
+                         bundle_label_selector=[{NODE_ID_LABEL: n.node_id} for n in nodes for _ in range(2)])
+    assert pg.wait(timeout_seconds=60)
+    yield
+    release(pg)

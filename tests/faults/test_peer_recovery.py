@@ -36,22 +36,6 @@ def _peer_restart(snap: dict) -> dict:
     return restart
 
 
-@pytest.fixture
-def two_free_gpus_per_node():
-    """Hold two GPUs of every node, so that a TP 2 x DP 2 job puts its replicas on two nodes."""
-    from ray.util.placement_group import placement_group
-
-    from workers.placement import NODE_ID_LABEL, release
-    from workers.topology import Topology
-
-    nodes = Topology.from_ray(include_dead=False).gpu_nodes
-    pg = placement_group([{"GPU": 1.0}] * (2 * len(nodes)), strategy="PACK",
-                         bundle_label_selector=[{NODE_ID_LABEL: n.node_id} for n in nodes for _ in range(2)])
-    assert pg.wait(timeout_seconds=60)
-    yield
-    release(pg)
-
-
 def test_a_whole_tp_group_lost_with_its_node_comes_back_from_the_other_replica(
         tmp_path, revive_nodes, two_free_gpus_per_node):
     """TP 2 x DP 2: the node holding one replica's TP pair dies; both ranks move to another node and

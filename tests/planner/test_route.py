@@ -64,6 +64,15 @@ def test_evaluate_mode_matches_the_search(client: TestClient):
     assert r.json()["predicted"]["step_time_s"] == searched["predicted"]["step_time_s"]
 
 
+def test_an_hsdp_layout_is_evaluated_and_a_bad_one_names_dp_replicate(client: TestClient):
+    layout = {"dp": 8, "zero_stage": 3, "dp_replicate": 2, "micro_batch_size": 1, "num_microbatches": 1}
+    r = client.post("/v1/plans", json={**DEMO, "layout": layout})
+    assert r.status_code == 200, r.text
+    assert r.json()["layout"]["dp_replicate"] == 2
+    bad = client.post("/v1/plans", json={**DEMO, "layout": {**layout, "dp_replicate": 3}})
+    assert bad.status_code == 422 and "dp_replicate" in bad.text, bad.text
+
+
 def test_explicit_model_fields_and_seq_len_default(client: TestClient):
     body = {
         "model": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 32},

@@ -66,13 +66,18 @@ class Layout:
     recompute: str = "none"
     # Pipeline stages per pipeline rank; 1 for flat schedules, >= 2 for interleaved / V schedules.
     virtual_stages: int = 1
+    # ZeRO-2/3 only: the dp ranks form `dp_replicate` groups of dp / dp_replicate; FSDP shards the
+    # state within a group and all-reduces gradients across groups (HSDP, torchtitan's
+    # dp_replicate x dp_shard), so every shard has dp_replicate copies and a lost rank a DP peer.
+    dp_replicate: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
 
     # ---- validation -------------------------------------------------------------------
     def validate(self) -> None:
-        for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch_size", "num_microbatches", "virtual_stages"):
+        for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch_size", "num_microbatches", "virtual_stages",
+                     "dp_replicate"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"layout.{name} must be an integer >= 1, got {value!r}")
@@ -98,6 +103,14 @@ class Layout:
             raise LayoutError("layout.sequence_parallel needs tp > 1")
         if (self.dp * self.cp) % self.ep != 0:
             raise LayoutError(f"layout.ep ({self.ep}) must divide dp x cp ({self.dp * self.cp})")
+        if self.dp_replicate > 1:
+            if self.dp % self.dp_replicate != 0:
+                raise LayoutError(f"layout.dp_replicate ({self.dp_replicate}) must divide dp ({self.dp})")
+            if self.zero_stage < 2:
+                raise LayoutError("layout.dp_replicate > 1 needs zero_stage 2 or 3 (it replicates FSDP's "
+                                  f"shards; ZeRO-{self.zero_stage} replicates the parameters already)")
+            if self.cp > 1 or self.ep > 1:
+                raise LayoutError("layout.dp_replicate > 1 needs cp = 1 and ep = 1")
         if self.pp > 1 and self.num_microbatches < self.pp and self.schedule != "gpipe":
             raise LayoutError(
                 f"layout.num_microbatches ({self.num_microbatches}) must be >= pp ({self.pp}) "
@@ -117,6 +130,21 @@ class Layout:
     def global_batch(self) -> int:
         """Sequences per optimizer step."""
         return self.dp * self.micro_batch_size * self.num_microbatches
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks one ZeRO/FSDP shard group spans: dp, or dp / dp_replicate under HSDP."""
+        return self.dp // self.dp_replicate
+
+    def shard_peers(self, rank: int) -> list[int]:
+        """The other ranks that hold exactly this rank's model state (parameters, optimizer): its
+        DP replicas under ZeRO-0, HSDP's other replicate groups under ZeRO-2/3 (same shard index);
+        none under ZeRO-1/2/3 otherwise (the state is sharded over every DP rank)."""
+        c = self.coord(rank)
+        if self.zero_stage == 0 or self.dp_replicate > 1:
+            step = self.dp_shard if self.zero_stage >= 2 else 1
+            return [self.rank_of(c.pp, d, c.cp, c.tp) for d in range(c.dp % step, self.dp, step) if d != c.dp]
+        return []
 
     @property
     def num_stages(self) -> int:
@@ -172,4 +200,6 @@ class Layout:
             parts.append("sp")
         if self.recompute != "none":
             parts.append(f"recompute={self.recompute}")
+        if self.dp_replicate > 1:
+            parts.append(f"dp_replicate={self.dp_replicate}")
         return ",".join(parts)

@@ -140,8 +140,9 @@ class RunConfig:
 
     def peer_recovery_blocker(self) -> str | None:
         """Why a DP peer cannot stand in for a lost rank of this run (None: it can). A peer must hold
-        all the rank's state: replicated parameters and optimizer (ZeRO-0, or ZeRO-1 with shadow
-        shards in fp32 without context parallelism), no expert parallelism, and a replica at all."""
+        all the rank's state: replicated parameters and optimizer (ZeRO-0, ZeRO-1 with shadow
+        shards in fp32 without context parallelism, or ZeRO-2/3 with dp_replicate > 1: HSDP's other
+        replicate groups hold the same shards), no expert parallelism, and a replica at all."""
         layout = self.layout
         if layout.dp * layout.cp == 1:
             return "no DP replica (dp x cp = 1)"
@@ -151,10 +152,12 @@ class RunConfig:
                 return f"ZeRO-1 shadow shards cover fp32 runs only, not {self.precision}'s fp32 masters"
             if "cp" in conflicts:
                 return "ZeRO-1 shadow shards with context parallelism (cp > 1) are not supported"
+        elif layout.zero_stage >= 2 and layout.dp_replicate > 1:
+            pass  # HSDP: each dp_replicate group holds every shard (Layout.shard_peers)
         elif layout.zero_stage != 0:
             return (f"ZeRO-{layout.zero_stage} shards the optimizer state: no replica holds a rank's shard"
                     + (" (fault_tolerance.shadow_optimizer keeps one under ZeRO-1)"
-                       if layout.zero_stage == 1 else ""))
+                       if layout.zero_stage == 1 else " (layout.dp_replicate > 1 keeps one: HSDP)"))
         if layout.ep != 1:
             return "expert parallelism: DP peers hold other experts"
         return None

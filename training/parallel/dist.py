@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from training.parallel.links import GlooLinks
+
 log = logging.getLogger(__name__)
 
 
@@ -109,6 +111,14 @@ def dump_flight_recorder(path: str | os.PathLike[str], backend: str) -> str | No
     return None
 
 
+_links: GlooLinks | None = None
+
+
+def gloo_links() -> GlooLinks | None:
+    """The gloo connections of this process's current group (None: not gloo, or not joined here)."""
+    return _links
+
+
 @dataclass(frozen=True)
 class DistContext:
     rank: int
@@ -137,6 +147,8 @@ def init_distributed(
     if backend == "nccl" or trace_prefix:
         enable_flight_recorder(trace_prefix)
     if not dist.is_initialized():
+        global _links
+        _links = GlooLinks() if backend == "gloo" else None  # the sockets before: not gloo's
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{master_addr}:{master_port}",

@@ -13,6 +13,9 @@ Derived dimensions (built only when cp > 1 or ep > 1, so dense layouts create no
             and tokens are exchanged with all-to-all (training/model/moe.py, expert_parallel_groups).
     edp     expert data parallel: the dp_cp ranks with the same ep index, which hold the same
             experts (dp x cp / ep of them); expert gradients are reduced over it.
+    dp_replicate, dp_shard   (only when layout.dp_replicate > 1, ZeRO-2/3, cp = ep = 1: HSDP) the dp
+            mesh unflattened to (dp_replicate, dp_shard), shard fastest-varying: FSDP shards over
+            dp_shard and all-reduces across dp_replicate, whose ranks hold the same local shards.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from training.config.layout import MESH_DIMS, Layout, LayoutError, RankCoord
 
-DERIVED_DIMS: tuple[str, ...] = ("dp_cp", "ep", "edp")
+DERIVED_DIMS: tuple[str, ...] = ("dp_cp", "ep", "edp", "dp_replicate", "dp_shard", "fsdp")
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
@@ -73,6 +76,11 @@ class ParallelDims:
                 shape = (layout.dp * layout.cp // layout.ep, layout.ep)
                 split = dp_cp._unflatten(0, shape, ("edp", "ep"))  # noqa: SLF001
                 dims.derived["ep"], dims.derived["edp"] = split["ep"], split["edp"]
+        if layout.dp_replicate > 1:  # HSDP: FSDP2 takes the 2-D (replicate, shard) mesh whole
+            shape = (layout.dp_replicate, layout.dp_shard)
+            hsdp = mesh["dp"]._unflatten(0, shape, ("dp_replicate", "dp_shard"))  # noqa: SLF001
+            dims.derived["fsdp"] = hsdp
+            dims.derived["dp_replicate"], dims.derived["dp_shard"] = hsdp["dp_replicate"], hsdp["dp_shard"]
         return dims
 
     def submesh(self, name: str) -> DeviceMesh:
@@ -84,6 +92,12 @@ class ParallelDims:
             if self.layout.ep == 1:
                 raise ValueError(f"mesh dimension {name!r} exists only when layout.ep > 1")
             return self.derived[name]
+        if name == "fsdp":  # what ZeRO-2/3 shard over: dp x cp, or HSDP's (dp_replicate, dp_shard)
+            return self.derived["fsdp"] if "fsdp" in self.derived else self.submesh("dp_cp")
+        if name in ("dp_replicate", "dp_shard"):
+            if self.layout.dp_replicate == 1:
+                raise ValueError(f"mesh dimension {name!r} exists only when layout.dp_replicate > 1")
+            return self.derived[name]
         raise ValueError(f"mesh dimension must be one of {', '.join(MESH_DIMS + DERIVED_DIMS)}, got {name!r}")
 
     def group(self, name: str) -> dist.ProcessGroup:
@@ -91,10 +105,13 @@ class ParallelDims:
 
     def replica_group(self) -> dist.ProcessGroup:
         """The ranks that hold exactly the same parameters as this one: dp x cp, or with expert
-        parallel the expert-data-parallel group (its EP partners hold other experts). ZeRO-1
-        shards the optimizer state over it and the integrity check compares fingerprints in it."""
+        parallel the expert-data-parallel group (its EP partners hold other experts), or under HSDP
+        the dp_replicate group (the same local shards). ZeRO-1 shards the optimizer state over it
+        and the integrity check compares fingerprints in it."""
         if self.layout.ep > 1:
             return self.group("edp")
+        if self.layout.dp_replicate > 1:
+            return self.group("dp_replicate")
         return self.group("dp_cp")
 
     @property

@@ -28,6 +28,7 @@ Gradient synchronisation over the data-parallel group (dp x cp), by ZeRO stage:
   2  fully_shard(reshard_after_forward=False) per block, then the root
   3  fully_shard(reshard_after_forward=True) per block, then the root (False under the
      split-backward pipeline schedules, see training.parallel.fsdp.SPLIT_BACKWARD_SCHEDULES)
+  With layout.dp_replicate > 1 (ZeRO-2/3), FSDP2 gets the 2-D (dp_replicate, dp_shard) mesh: HSDP.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def parallelize(model: Transformer, layout: Layout, mesh: DeviceMesh | ParallelD
     apply_recompute(model, layout.recompute)
     replicas = layout.dp * layout.cp  # ranks holding the same dense weights
     if layout.zero_stage >= 2 and replicas > 1:
-        apply_fsdp(model, dims.submesh("dp_cp"), reshard_after_forward(layout.zero_stage, layout.schedule),
+        apply_fsdp(model, dims.submesh("fsdp"), reshard_after_forward(layout.zero_stage, layout.schedule),
                    device_type=device.type, precision=run_cfg.precision)
     materialize(model, run_cfg.seed, device)
     if is_mixed(run_cfg.precision) and not isinstance(model, FSDPModule):

@@ -78,6 +78,7 @@ class LayoutIn(BaseModel):
     sequence_parallel: bool | None = None
     recompute: str | None = Field(None, max_length=32)
     virtual_stages: int | None = Field(None, ge=1, le=4096)
+    dp_replicate: int | None = Field(None, ge=1, le=1 << 20)
 
 
 class PlanRequest(BaseModel):
