@@ -2,6 +2,7 @@
 
     python -m bench.recovery                   # 250 steps, checkpoint every 5, kill the last rank at 82
     python -m bench.recovery --skip-ray-train  # Lattice only (Ray Train needs pandas + pyarrow)
+    python -m bench.recovery --hsdp            # only ZeRO-3 as HSDP (dp_replicate 2), DP 4, vs Ray Train
 
 The same small job (the training engine's tiny GPT, the same DCP checkpoints every `--every`
 steps) runs on the same embedded cluster (1 rack x 2 nodes x 4 virtual GPUs), and its last rank
@@ -45,22 +46,24 @@ from training.config.spec import ModelSpec
 SPEC = ModelSpec(layers=2, hidden=64, heads=4, vocab=256, seq_len=32)
 
 
-def _cfg(ckpt: str, steps: int, every: int, dp: int = 2, zero: int = 0, tp: int = 1) -> RunConfig:
+def _cfg(ckpt: str, steps: int, every: int, dp: int = 2, zero: int = 0, tp: int = 1, replicate: int = 1
+         ) -> RunConfig:
     # ZeRO-1 runs keep shadow shards (fault_tolerance.shadow_optimizer): their peer path needs them.
-    return RunConfig(model=SPEC, layout=Layout(dp=dp, tp=tp, micro_batch_size=2, zero_stage=zero),
+    layout = Layout(dp=dp, tp=tp, micro_batch_size=2, zero_stage=zero, dp_replicate=replicate)
+    return RunConfig(model=SPEC, layout=layout,
                      steps=steps, checkpoint=CheckpointConfig(dir=ckpt, every_steps=every),
                      shadow_optimizer=zero == 1)
 
 
 def run_lattice(steps: int, every: int, kill_at: int, root: str, *, name: str, dp: int = 2, fast: bool = True,
                 peer: bool = True, spares: int = 0, zero: int = 0, warm: int = 1, tp: int = 1,
-                kind: str = "kill_rank") -> dict[str, Any]:
+                kind: str = "kill_rank", replicate: int = 1) -> dict[str, Any]:
     import ray
 
     from workers.controller import ControllerOptions, kill_controller, start_controller
 
     job = f"bench-recovery-{name}"
-    cfg = _cfg(os.path.join(root, job), steps, every, dp, zero, tp)
+    cfg = _cfg(os.path.join(root, job), steps, every, dp, zero, tp, replicate)
     kill = {"kind": kind, "rank": dp * tp - 1, "at_step": kill_at}
     opts = ControllerOptions(poll_interval_s=0.1, fast_path=fast, peer_recovery=peer, spares=spares,
                              warm_workers=warm, hang_timeout_s=30.0, faults=() if spares else (kill,),
@@ -136,21 +139,22 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
         Path(config["result"]).write_text(json.dumps({"digest": result.model_digest}))
 
 
-def run_ray_train(steps: int, every: int, kill_at: int, root: str, dp: int = 2) -> dict[str, Any]:
+def run_ray_train(steps: int, every: int, kill_at: int, root: str, dp: int = 2, zero: int = 0,
+                  replicate: int = 1) -> dict[str, Any]:
     from ray.train import FailureConfig, ScalingConfig
     from ray.train import RunConfig as RayRunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    base = Path(root) / f"raytrain-dp{dp}"
+    base = Path(root) / f"raytrain-dp{dp}-z{zero}-r{replicate}"
     base.mkdir(parents=True, exist_ok=True)
-    cfg = _cfg(str(base / "ckpt"), steps, every, dp)
+    cfg = _cfg(str(base / "ckpt"), steps, every, dp, zero, replicate=replicate)
     config = {"cfg": cfg.to_dict(), "kill_at": kill_at, "log": str(base / "steps.jsonl"),
               "marker": str(base / "killed.json"), "result": str(base / "result.json")}
     trainer = TorchTrainer(
         _ray_train_loop, train_loop_config=config,
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=dp, use_gpu=False, resources_per_worker={"CPU": 0.1}),
-        run_config=RayRunConfig(storage_path=str(base / "storage"), name=f"bench-recovery-dp{dp}",
+        run_config=RayRunConfig(storage_path=str(base / "storage"), name=f"bench-recovery-{base.name}",
                                 failure_config=FailureConfig(max_failures=3)),
     )
     trainer.fit()
@@ -175,9 +179,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-ray-train", action="store_true")
     parser.add_argument("--node-loss", action="store_true",
                         help="only: TP 2 x DP 2, one replica's node removed; standby warm processes vs none")
+    parser.add_argument("--hsdp", action="store_true",
+                        help="only: ZeRO-3 as HSDP (DP 4 = 2 replicate groups x 2 shards) vs Ray Train")
     a = parser.parse_args(argv)
     if a.node_loss:
         return node_loss(a.steps, a.every, a.kill_at)
+    if a.hsdp:
+        return hsdp(a.steps, a.every, a.kill_at, a.skip_ray_train)
 
     from bench._common import machine
     from workers.cluster import start_embedded_cluster
@@ -262,3 +270,36 @@ def node_loss(steps: int, every: int, kill_at: int) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def hsdp(steps: int, every: int, kill_at: int, skip_ray_train: bool) -> None:
+    """ZeRO-3 over DP 4 as HSDP (dp_replicate 2): rank 3 killed, its shard taken from rank 1."""
+    from bench._common import machine
+    from workers.cluster import start_embedded_cluster
+
+    root = tempfile.mkdtemp(prefix="lrec-hsdp-")
+    cluster = start_embedded_cluster(racks=1, nodes_per_rack=2, gpus_per_node=4, temp_dir=root + "/ray",
+                                     cpus_per_node=2)
+    kw = {"dp": 4, "zero": 3, "replicate": 2}
+    try:
+        run = functools.partial(run_lattice, steps, every, kill_at, root, **kw)
+        rows = [("Lattice peer path", run(name="hsdp-peer")),
+                ("Lattice peer path, cold proc", run(name="hsdp-peer-cold", warm=0)),
+                ("Lattice fast path (ckpt)", run(name="hsdp-fast", peer=False))]
+        if not skip_ray_train:
+            rows.append(("Ray Train TorchTrainer", run_ray_train(steps, every, kill_at, root, **kw)))
+    finally:
+        cluster.shutdown()
+    print(f"# bench.recovery --hsdp — {machine()}")
+    print(f"tiny GPT ({SPEC.layers}x{SPEC.hidden}), ZeRO-3, DP 4 = 2 replicate groups x 2 shards, {steps} "
+          f"steps, checkpoint every {every}, rank 3 SIGKILLed after step {kill_at}\n")
+    print(f"{'system':28s} {'path':>6s} {'kill -> first step (s)':>23s} {'steps lost':>11s} {'restored':>9s}")
+    for name, r in rows:
+        print(f"{name:28s} {r.get('path', '-'):>6s} {r['kill_to_step_s']:23.2f} {r['lost']:11d} "
+              f"{r['restored']:9d}")
+    print(f"final weights identical across runs: {len({r['digest'] for _, r in rows}) == 1}")
+    if not skip_ray_train:
+        ray_s = rows[-1][1]["kill_to_step_s"]
+        for name, r in rows[:-1]:
+            print(f"ratio {name} / Ray Train (same job): {r['kill_to_step_s'] / ray_s:.2f}"
+                  + (" (target <= 0.25, 0 steps lost)" if name.startswith("Lattice peer") else ""))

@@ -204,9 +204,8 @@ def keep_global_batch(old: Layout, new: Layout) -> Layout:
 def keep_global_batch_replanner(topology: Topology, layout: Layout) -> Layout | None:
     """The fallback planner: the largest DP degree (a divisor of the current one) whose ranks fit
     the schedulable GPUs, with gradient accumulation raised so that the global batch (dp x
-    micro_batch_size x num_microbatches) and so the training mathematics stay the same."""
-    import dataclasses
-
+    micro_batch_size x num_microbatches) and so the training mathematics stay the same. HSDP keeps
+    its shard groups where the new DP allows (Layout.with_dp)."""
     free = topology.gpus_schedulable
     per_replica = layout.world_size // layout.dp
     for dp in range(layout.dp - 1, 0, -1):
@@ -214,7 +213,7 @@ def keep_global_batch_replanner(topology: Topology, layout: Layout) -> Layout | 
             continue
         try:
             accumulate = layout.num_microbatches * (layout.dp // dp)
-            return dataclasses.replace(layout, dp=dp, num_microbatches=accumulate)
+            return layout.with_dp(dp, accumulate)
         except ValueError:
             continue
     return None

@@ -10,14 +10,11 @@ as "no warm process", never as the job's.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
 from collections.abc import Collection, Mapping
 from typing import Any, Protocol
-
-log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 5.0
 REGISTER_TIMEOUT_S = 30.0  # for one batch of started processes to register with the raylet
@@ -58,15 +55,11 @@ class RayRaylets:
         self._lock = threading.Lock()
         self._nodes: dict[str, dict[str, Any]] = {}
         self._looked_up = float("-inf")
+        self._drain_cls: Any = None  # ray.remote(_Drain), made once
 
     def idle(self, node: str) -> set[int]:
-        from ray.core.generated import node_manager_pb2
-
         with self._channel(node) as stub:
-            reply = stub.GetNodeStats(node_manager_pb2.GetNodeStatsRequest(), timeout=RPC_TIMEOUT_S)
-        job = _job_id()
-        return {w.pid for w in reply.core_workers_stats
-                if w.job_id == job and set(w.actor_id) <= {0xFF}}  # nil actor id: all 0xff
+            return _idle_on(stub)
 
     def prestart(self, node: str, count: int, runtime_env: Mapping[str, Any], keep_alive_s: float,
                  before: Collection[int]) -> set[int]:
@@ -90,7 +83,7 @@ class RayRaylets:
                     keep_alive_duration_secs=int(keep_alive_s), num_workers=batch), timeout=RPC_TIMEOUT_S)
                 asked += batch
                 deadline = time.monotonic() + REGISTER_TIMEOUT_S
-                while len(new := self.idle(node) - before) < asked:
+                while len(new := _idle_on(stub) - before) < asked:
                     if time.monotonic() > deadline:  # a stuck node: what registered is what it has
                         return set(sorted(new)[:count])
                     time.sleep(0.25)
@@ -100,8 +93,10 @@ class RayRaylets:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        cls = ray.remote(_Drain).options(num_cpus=0, runtime_env=dict(runtime_env), max_restarts=0,
-                                         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+        if self._drain_cls is None:
+            self._drain_cls = ray.remote(_Drain)
+        cls = self._drain_cls.options(num_cpus=0, runtime_env=dict(runtime_env), max_restarts=0,
+                                      scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
         actors = [cls.remote() for _ in range(count)]
         try:
             refs = [a.pid.remote() for a in actors]
@@ -143,6 +138,16 @@ class _Stub:
 
     def __exit__(self, *exc: object) -> None:
         self.channel.close()
+
+
+def _idle_on(stub: Any) -> set[int]:
+    """The pids of this Ray job's worker processes with no actor, on the stub's raylet."""
+    from ray.core.generated import node_manager_pb2
+
+    reply = stub.GetNodeStats(node_manager_pb2.GetNodeStatsRequest(), timeout=RPC_TIMEOUT_S)
+    job = _job_id()
+    return {w.pid for w in reply.core_workers_stats
+            if w.job_id == job and set(w.actor_id) <= {0xFF}}  # nil actor id: all 0xff
 
 
 def _job_id() -> bytes:

@@ -41,6 +41,18 @@ def divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
+def hsdp_replicas(gpn: int, tp: int, cp: int, dp: int, ep: int) -> int:
+    """The one HSDP split the search tries for a family: r = dp / dp_shard with the shard group
+    (tp x dp_shard consecutive ranks) filling exactly one `gpn`-GPU node, so FSDP's per-micro-batch
+    gathers and reduce-scatters stay inside it and only the once-per-step all-reduce crosses nodes.
+    1 (no HSDP) unless cp = ep = 1, the dp group spans more than a node, tp divides the node,
+    dp_shard >= 2 (1 is plain replication: ZeRO-0's job) and dp_shard divides dp."""
+    if cp != 1 or ep != 1 or tp * dp <= gpn or gpn % tp:
+        return 1
+    shard = gpn // tp
+    return dp // shard if shard >= 2 and dp % shard == 0 else 1
+
+
 def schedule_options(pp: int, m: int, layers: int, schedules: Sequence[str],
                      depths: Sequence[int] = INTERLEAVE_DEPTHS) -> list[tuple[str, int]]:
     """(schedule, v) pairs that can run `m` micro-batches on `pp` ranks (the torch schedules' rules)."""
@@ -91,13 +103,14 @@ def comm_total(c: Candidate) -> float:
 
 
 def better(a: Candidate, b: Candidate | None) -> bool:
-    """Is `a` preferred to `b`: faster; on an exact tie less traffic, lower ZeRO stage, less memory."""
+    """Is `a` preferred to `b`: faster; on an exact tie no HSDP (the simpler layout), less traffic,
+    lower ZeRO stage, less memory."""
     if b is None or a[0] < b[0]:
         return True
     if a[0] > b[0]:
         return False
-    ka = (comm_total(a), a[1], a[2], describe(candidate_layout(a[3], a[4], a[5], a[1])))
-    kb = (comm_total(b), b[1], b[2], describe(candidate_layout(b[3], b[4], b[5], b[1])))
+    ka = (a[3].fam.r, comm_total(a), a[1], a[2], describe(candidate_layout(a[3], a[4], a[5], a[1])))
+    kb = (b[3].fam.r, comm_total(b), b[1], b[2], describe(candidate_layout(b[3], b[4], b[5], b[1])))
     return ka < kb
 
 
@@ -161,7 +174,10 @@ class CandidateSearch:
 
     def run(self) -> None:
         env, model = self.env, self.env.model
-        r = self.fixed.get("dp_replicate", 1)  # HSDP only when given: no search dimension of its own
+        # A given dp_replicate is the only one tried; otherwise each family also tries one HSDP split
+        # (hsdp_replicas: shard group = one node) beside r = 1, on the same micro-batches (_family).
+        r = self.fixed.get("dp_replicate", 1)
+        search_r = "dp_replicate" not in self.fixed
         for tp in self.tp_options():
             if model.is_moe and tp > 1:
                 # The engine splits experts with ep, not tp (training.config.validate.check_layout_for_model).
@@ -210,7 +226,8 @@ class CandidateSearch:
                         self.families += 1
                         label = name + (f",ep={ep}" if ep > 1 else "")
                         label += f",dp_replicate={r}" if r > 1 else ""
-                        if self._family(Family(env, tp, cp, pp, dp, ep, r), label):
+                        hr = hsdp_replicas(env.gpn, tp, cp, dp, ep) if search_r else 1
+                        if self._family(Family(env, tp, cp, pp, dp, ep, r), label, hr):
                             return
 
     def _zero_stages(self, fam: Family, name: str) -> tuple[int, ...]:
@@ -227,14 +244,19 @@ class CandidateSearch:
                 self._reject(name, f"dp_replicate={fam.r} needs zero stage 2 or 3")
         return zs
 
-    def _family(self, fam: Family, name: str) -> bool:
-        """Search one family; True when first_fit found a fit."""
+    def _family(self, fam: Family, name: str, hsdp_r: int = 1) -> bool:
+        """Search one family; True when first_fit found a fit. With `hsdp_r` > 1 every micro-batch
+        shape and schedule is also finished as HSDP with that dp_replicate at ZeRO-2/3 (the pipeline
+        part, Micro and combine, does not depend on r: only the Stage's state and DP terms do); the
+        family's best is the better of the two."""
         env, key = self.env, fam.key()
         cap, zs = env.capacity, self._zero_stages(fam, name)
         if not zs:
             return False
+        hzs = tuple(z for z in zs if z >= 2) if hsdp_r > 1 else ()
+        hfam = Family(env, fam.tp, fam.cp, fam.pp, fam.dp, fam.ep, hsdp_r) if hzs else None
         b_local = env.g // fam.dp
-        stages: dict[tuple[int, bool], Stage] = {}
+        stages: dict[tuple[int, bool], tuple[tuple[Stage, tuple[int, ...]], ...]] = {}
         best: Candidate | None = None
         lean = math.inf
         lean_desc = ""
@@ -267,38 +289,48 @@ class CandidateSearch:
                     micro = Micro(fam, mbs, sp, rc)
                     for schedule, v in options:
                         skey = (v, schedule in V_SHAPED)
-                        stage = stages.get(skey)
-                        if stage is None:
-                            stage = stages[skey] = Stage(fam, v, skey[1])
-                        combo = combine(stage, micro, schedule, m)
+                        both = stages.get(skey)
+                        if both is None:  # (stage, its ZeRO stages): r = 1, then the HSDP split
+                            both = ((Stage(fam, v, skey[1]), zs),)
+                            if hfam is not None:
+                                both += ((Stage(hfam, v, skey[1]), hzs),)
+                            stages[skey] = both
+                        combo = combine(both[0][0], micro, schedule, m)
                         if best is not None and combo.core > best[0]:
                             continue  # cannot beat this family's best: the rest of a step only adds time
-                        for z in zs:
-                            self.evaluated += 1
-                            step, mem = finish(stage, combo, z)
-                            if mem > cap:
-                                if mem < lean:
-                                    lean = mem
-                                    lean_desc = describe(candidate_layout(stage, micro, combo, z))
-                                continue
-                            cand = (step, z, mem, stage, micro, combo)
-                            if self.first_fit:
-                                self.best = cand
-                                return True
-                            if better(cand, best):
-                                best = cand
+                        for stage, stage_zs in both:
+                            for z in stage_zs:
+                                self.evaluated += 1
+                                step, mem = finish(stage, combo, z)
+                                if mem > cap:
+                                    if mem < lean:
+                                        lean = mem
+                                        lean_desc = describe(candidate_layout(stage, micro, combo, z))
+                                    continue
+                                cand = (step, z, mem, stage, micro, combo)
+                                if self.first_fit:
+                                    self.best = cand
+                                    return True
+                                if better(cand, best):
+                                    best = cand
+        self._settle(key, name, best, lean, lean_desc)
+        return False
+
+    def _settle(self, key: tuple[int, ...], name: str, best: Candidate | None, lean: float,
+                lean_desc: str) -> None:
+        """Record a searched family: its best candidate, or why none fits."""
         if best is None:
             if lean < math.inf:
                 self._reject(
                     name,
-                    f"needs {fmt_bytes(lean)} > {fmt_bytes(cap)} per GPU even at its leanest ({lean_desc})",
+                    f"needs {fmt_bytes(lean)} > {fmt_bytes(self.env.capacity)} per GPU even at its leanest "
+                    f"({lean_desc})",
                 )
                 self.fam_leanest[key] = (lean, lean_desc)
-            return False
-        self.fam_best[key] = best
+            return
+        self.fam_best[best[3].fam.key()] = best  # keyed by the winner's r (plan_from_search)
         if better(best, self.best):
             self.best = best
-        return False
 
 
 def fits_within(env: Env, zero_stages: Sequence[int], schedules: Sequence[str], budget: int) -> bool:

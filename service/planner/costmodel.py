@@ -421,11 +421,14 @@ def dp_exposed(stage: Stage, combo: Combo, z: int) -> float:
     ZeRO-0/1 communicate once per step, overlapped with the last micro-batch's backward and the next
     step's first forward; ZeRO-2/3 communicate every micro-batch, overlapped with all of them. The last
     bucket (about one layer's share) can never overlap, and what overlaps slows compute by
-    OVERLAP_SLOWDOWN.
+    OVERLAP_SLOWDOWN. HSDP's all-reduce across the replicas is ZeRO-0's all-reduce of a gradient shard:
+    it needs the last micro-batch's gradients (the engine syncs only then, training/parallel/optim.py),
+    so, like ZeRO-0's, only one micro-batch's compute can hide it.
     """
-    total = stage.dp_once[z] + stage.hsdp_once[z] + combo.m * stage.dp_per_mb[z]
+    hsdp = stage.hsdp_once[z]
+    total = stage.dp_once[z] + hsdp + combo.m * stage.dp_per_mb[z]
     window = combo.compute_mb * (combo.m if z >= 2 else 1)
-    exposed = max(total - window, total / stage.layers)
+    exposed = max(total - window, total / stage.layers, hsdp - combo.compute_mb)
     return exposed + stage.fam.env.gpu.overlap_slowdown * (total - exposed)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from service.planner.candidates import RECOMPUTE, CandidateSearch, detail_for, smallest_fitting
+from service.planner.candidates import RECOMPUTE, CandidateSearch, detail_for, hsdp_replicas, smallest_fitting
 from service.planner.costmodel import Env
 from service.planner.errors import PlannerError
 from service.planner.result import Detail, Plan, describe, fmt_bytes, why_slower
@@ -91,6 +91,22 @@ def _variant_note(env: Env, base: Detail, label: str, **changes: Any) -> str | N
     return None
 
 
+def _hsdp_choice(env: Env, d: Detail) -> list[str]:
+    """Why HSDP was (not) chosen: the same layout with flat ZeRO-2/3 over all dp ranks, or with the
+    one HSDP split the search tries (shard group = one node; candidates.hsdp_replicas)."""
+    lay = d.layout
+    if lay.dp_replicate > 1:
+        label = f"dp_replicate=1 (ZeRO-{lay.zero_stage} sharded over all dp={lay.dp} ranks)"
+        note = _variant_note(env, d, label, dp_replicate=1)
+        return [note] if note else []
+    r = hsdp_replicas(env.gpn, lay.tp, lay.cp, lay.dp, lay.ep)
+    if lay.zero_stage < 2 or r <= 1:
+        return []
+    note = _variant_note(env, d, f"dp_replicate={r} (HSDP, one shard group per {env.gpn}-GPU node)",
+                         dp_replicate=r)
+    return [note] if note else []
+
+
 def explain(env: Env, d: Detail, p: Plan, search: CandidateSearch, zs: Sequence[int]) -> list[str]:
     lay = d.layout
     out = [
@@ -120,13 +136,15 @@ def explain(env: Env, d: Detail, p: Plan, search: CandidateSearch, zs: Sequence[
             f"{fmt_bytes(d.comm['ep'])} per GPU per step, {d.time_s['ep'] * 1e3:.3g} ms exposed"
         )
     if lay.dp * lay.cp > 1:
+        group = f"dp={lay.dp}" + (f" (FSDP over dp_shard={lay.dp_shard})" if lay.dp_replicate > 1 else "")
         out.append(
-            f"dp={lay.dp} gradient traffic crosses the {d.tiers['dp']} tier, "
+            f"{group} gradient traffic crosses the {d.tiers['dp']} tier, "
             f"{d.time_s['dp_exposed'] * 1e3:.3g} ms of it exposed"
         )
     hsdp = hsdp_note(d)
     if hsdp:
         out.append(hsdp)
+    out.extend(_hsdp_choice(env, d))
     for z in zs:
         if z != lay.zero_stage:
             note = _variant_note(env, d, f"zero={z}", zero_stage=z)

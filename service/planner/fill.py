@@ -26,6 +26,7 @@ from service.planner.candidates import (
     MAX_CANDIDATES,
     CandidateSearch,
     detail_for,
+    hsdp_replicas,
     validate_layout,
 )
 from service.planner.costmodel import Env
@@ -313,5 +314,14 @@ def _why_chosen(env: Env, fields: Mapping[str, Any], lay: Layout, name: str) -> 
     if name == "dp_replicate":
         if lay.zero_stage < 2:
             return f"{src('zero_stage')}: HSDP replicates ZeRO-2/3 shards only"
-        return "one FSDP shard group over all dp ranks; HSDP (dp_replicate > 1) only when given"
+        if lay.dp_replicate > 1:
+            span = lay.tp * lay.dp_shard
+            where = f"one {env.gpn}-GPU node" if span == env.gpn else f"{span} GPUs"
+            return (f"{_FAST}: FSDP shards within groups of dp_shard={lay.dp_shard} ranks ({where} each), "
+                    f"the {lay.dp_replicate} groups all-reduce their gradient shards once per step")
+        r = hsdp_replicas(env.gpn, lay.tp, lay.cp, lay.dp, lay.ep)
+        if r > 1:
+            return f"one FSDP shard group over all dp ranks: {_FAST} that fits, ahead of dp_replicate={r}"
+        return ("one FSDP shard group over all dp ranks; HSDP is tried only where the dp group spans nodes "
+                "(cp = ep = 1, shard group = one node)")
     return f"{_FAST} that fits; ties go to less traffic, then the lower ZeRO stage"

@@ -16,6 +16,7 @@ from service.planner.candidates import (
     RECOMPUTE,
     detail_for,
     divisors,
+    hsdp_replicas,
     schedule_options,
 )
 from service.planner.costmodel import Env
@@ -31,8 +32,8 @@ def valid_layouts(
     zero_stages: Sequence[int] = (0, 1, 2, 3),
     schedules: Sequence[str] = DEFAULT_SCHEDULES,
 ) -> Iterator[Layout]:
-    """Every layout the search's rules allow (MoE models: every ep dividing the experts and dp x cp),
-    in no particular order."""
+    """Every layout the search's rules allow (MoE models: every ep dividing the experts and dp x cp;
+    ZeRO-2/3 also with the family's one HSDP split, candidates.hsdp_replicas), in no particular order."""
     n, gpn, rack = cluster.num_gpus, cluster.gpn, cluster.rack_size
     s, g = train.seq_len, train.global_batch
     for tp in divisors(gpn):
@@ -49,6 +50,8 @@ def valid_layouts(
                     continue
                 eps = divisors(math.gcd(model.num_experts, dp * cp)) if model.is_moe else [1]
                 for ep in eps:
+                    hr = hsdp_replicas(gpn, tp, cp, dp, ep)
+                    rs = [(z, r) for z in zero_stages for r in ((1, hr) if hr > 1 and z >= 2 else (1,))]
                     for mbs in divisors(g // dp):
                         if mbs > MAX_MICRO_BATCH:
                             continue
@@ -56,11 +59,12 @@ def valid_layouts(
                         for schedule, v in schedule_options(pp, m, model.layers, schedules):
                             for sp in (True, False) if tp > 1 else (False,):
                                 for rc in RECOMPUTE:
-                                    for z in zero_stages:
+                                    for z, r in rs:
                                         yield Layout(
                                             tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=z,
                                             micro_batch_size=mbs, num_microbatches=m, schedule=schedule,
                                             sequence_parallel=sp, recompute=rc, virtual_stages=v,
+                                            dp_replicate=r,
                                         )  # fmt: skip
 
 

@@ -4,10 +4,11 @@ layout (`evaluate`).
 Enumeration, outermost first: tp (divides the node and the heads), cp (divides the sequence, stays in
 a rack), pp (any degree up to the layer count; uneven splits give the busiest rank ceil(L/(p v))
 layers), dp = N / (tp cp pp) (divides the global batch), ep (MoE only), micro-batch size (m follows),
-sequence parallel, recomputation, schedule (and interleaving depth v), ZeRO stage. Each level computes
-only what it adds (costmodel.py), and a candidate whose pipeline time alone is already slower than its
-family's best is not finished. The fastest candidate wins; exact ties go to less traffic, then the
-lower ZeRO stage, then less memory.
+sequence parallel, recomputation, schedule (and interleaving depth v), ZeRO stage (ZeRO-2/3 also with
+the family's one HSDP split, candidates.hsdp_replicas). Each level computes only what it adds
+(costmodel.py), and a candidate whose pipeline time alone is already slower than its family's best is
+not finished. The fastest candidate wins; exact ties go to no HSDP, then less traffic, then the lower
+ZeRO stage, then less memory.
 """
 
 from __future__ import annotations

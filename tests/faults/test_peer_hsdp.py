@@ -99,3 +99,23 @@ class TestCells:
         restore = events(snap, "restore")[0]
         assert (restore["source"], restore["steps_lost"]) == ("peers", 0)
         assert snap["faults"]["steps_lost"] == 0
+
+
+def test_a_replan_keeps_the_shard_groups_when_it_can():
+    from workers.controller.elastic import grow_layout
+    from workers.policies import keep_global_batch_replanner
+    from workers.topology import NodeInfo, Topology
+
+    hsdp = Layout(dp=4, zero_stage=3, dp_replicate=2, num_microbatches=1)  # shards of 2 ranks
+    assert hsdp.with_dp(2, 2) == Layout(dp=2, zero_stage=3, dp_replicate=1, num_microbatches=2)
+    assert hsdp.with_dp(8, 1).dp_replicate == 4  # growing: more groups of the same 2 ranks
+    assert hsdp.with_dp(3, 1).dp_replicate == 1  # no group of 2 fits 3: plain ZeRO-3 over 3
+    assert Layout(dp=4, zero_stage=3).with_dp(2, 2).dp_replicate == 1
+    nodes = tuple(NodeInfo(node_id=f"n{i}", name=f"n{i}", rack="r", gpus_total=1, gpus_free=1)
+                  for i in range(3))
+    shrunk = keep_global_batch_replanner(Topology(nodes=nodes), hsdp)
+    assert shrunk == Layout(dp=2, zero_stage=3, num_microbatches=2)  # global batch kept, ZeRO-3 over 2
+    # growing back (fault_tolerance.elastic) restores the planned layout's replicate groups
+    free = Topology.uniform(1, 2, 2)
+    assert grow_layout(shrunk, free, {}, max_gpus=4, planned=hsdp) == hsdp
+    assert grow_layout(shrunk, free, {}, max_gpus=4) == Layout(dp=4, zero_stage=3, num_microbatches=1)

@@ -1,5 +1,6 @@
 """HSDP (Layout.dp_replicate) in the planner: ZeRO-2/3 state is sharded over dp_shard = dp / dp_replicate
-ranks, and the replicate groups all-reduce their gradient shards once per step (docs/planner.md)."""
+ranks, and the replicate groups all-reduce their gradient shards once per step (docs/planner.md). The
+search tries one split per family beside r = 1: one shard group per node (candidates.hsdp_replicas)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,20 @@ from service.planner import (
     TrainSpec,
     evaluate,
     get_preset,
+    plan,
     plan_layout,
 )
-from service.planner.candidates import DEFAULT_SCHEDULES, CandidateSearch, candidate_layout, detail_for
-from service.planner.costmodel import Env, Family, Stage
+from service.planner.candidates import (
+    DEFAULT_SCHEDULES,
+    CandidateSearch,
+    candidate_layout,
+    detail_for,
+    hsdp_replicas,
+)
+from service.planner.costmodel import Env, Family, Micro, Stage, combine, dp_exposed
 from service.planner.formulas import ring_bytes
 from service.planner.layout_text import parse_layout
+from service.planner.reference import reference_best
 from training.config.layout import Layout
 
 DEMO = get_preset("demo")
@@ -90,12 +99,88 @@ def test_dp_replicate_one_changes_nothing() -> None:
         assert a.to_dict() == b.to_dict()
 
 
-def test_search_candidates_keep_dp_replicate_one() -> None:
-    env = Env(*_demo(8, 8))
-    search = CandidateSearch(env, (0, 1, 2, 3), DEFAULT_SCHEDULES)
+def _fam_best_layouts(search: CandidateSearch) -> list[Layout]:
+    return [candidate_layout(c[3], c[4], c[5], c[1]) for c in [search.best, *search.fam_best.values()] if c]
+
+
+def test_hsdp_split_is_one_node_per_shard_group() -> None:
+    assert hsdp_replicas(8, 1, 1, 16, 1) == 2  # 8 ranks per shard group, 2 groups
+    assert hsdp_replicas(8, 2, 1, 16, 1) == 4  # tp=2: 4 dp ranks fill the node
+    assert hsdp_replicas(8, 1, 1, 8, 1) == 1  # the dp group is one node: plain FSDP already
+    assert hsdp_replicas(8, 8, 1, 4, 1) == 1  # dp_shard would be 1: replication, ZeRO-0's job
+    assert hsdp_replicas(8, 1, 1, 12, 1) == 1  # a node's 8 ranks do not divide dp=12
+    assert hsdp_replicas(8, 3, 1, 16, 1) == 1  # tp does not divide the node
+    assert hsdp_replicas(8, 1, 2, 16, 1) == 1 and hsdp_replicas(8, 1, 1, 16, 2) == 1  # cp, ep: no HSDP
+
+
+def test_search_picks_hsdp_across_nodes() -> None:
+    """gpt2-small, dp=16 over two 8-GPU nodes, ZeRO-3: one replica per node keeps FSDP's gathers on NVLink."""
+    p = plan(*_gpt2(), zero_stages=(3,))
+    lay = p.layout
+    assert lay.dp_replicate > 1 and lay.zero_stage == 3 and lay.tp * lay.dp_shard == 8
+    flat = evaluate(*_gpt2(), lay.with_(dp_replicate=1))  # the same layout without HSDP
+    assert p.step_time_s < flat.step_time_s
+    best_flat = plan_layout(*_gpt2(), {"dp_replicate": 1}, zero_stages=(3,))  # the best r = 1 plan
+    assert best_flat.layout.dp_replicate == 1 and p.step_time_s < best_flat.step_time_s
+    assert detail_for(Env(*_gpt2()), lay).step_time_s == p.step_time_s
+    assert any(r.startswith(f"dp_replicate={lay.dp_replicate} (HSDP)") for r in p.reasons)
+    assert any(r.startswith("dp_replicate=1 (ZeRO-3 sharded over all dp=16 ranks): ") and "slower" in r
+               for r in p.reasons)
+    # Over every ZeRO stage too; the unpruned reference search finds the same optimum.
+    q = plan(*_gpt2())
+    assert q.layout.dp_replicate > 1 and q.step_time_s == reference_best(*_gpt2())[1]
+    # A partial layout that leaves dp_replicate open says why it was chosen.
+    r = plan_layout(*_gpt2(), {"zero_stage": 3})
+    assert r.layout == lay
+    assert any(x.startswith(f"dp_replicate: chose {lay.dp_replicate} (the fastest predicted: FSDP shards")
+               for x in r.reasons)
+
+
+def test_one_node_keeps_dp_replicate_one() -> None:
+    model, train, _ = _gpt2()
+    for cluster in (ClusterSpec("H100-80GB", 8, 8), ClusterSpec("H100-80GB", 4, 8)):
+        search = CandidateSearch(Env(model, train, cluster), (0, 1, 2, 3), DEFAULT_SCHEDULES)
+        search.run()
+        assert all(lay.dp_replicate == 1 for lay in _fam_best_layouts(search))
+
+
+def test_zero_0_and_1_never_get_hsdp() -> None:
+    env = Env(*_gpt2())
+    search = CandidateSearch(env, (0, 1), DEFAULT_SCHEDULES)
     search.run()
-    for c in [search.best, *search.fam_best.values()]:
-        assert c is not None and candidate_layout(c[3], c[4], c[5], c[1]).dp_replicate == 1
+    assert all(lay.dp_replicate == 1 and lay.zero_stage <= 1 for lay in _fam_best_layouts(search))
+    for given in ({"zero_stage": 1}, {"zero_stage": 0}, {"zero_stage": 1, "dp": 16}):
+        assert plan_layout(*_gpt2(), given).layout.dp_replicate == 1
+
+
+def test_hsdp_refuses_nothing_new() -> None:
+    """Searching the HSDP split adds candidates only: same families, same rejections, never slower."""
+    tight = (get_preset("llama3-70b"), TrainSpec(64, 2048), ClusterSpec("H100-80GB", 16))  # memory-bound
+    cases = [_gpt2(), _demo(8, 8), tight]
+    for model, train, cluster in cases:
+        env = Env(model, train, cluster)
+        auto = CandidateSearch(env, (0, 1, 2, 3), DEFAULT_SCHEDULES)
+        flat = CandidateSearch(env, (0, 1, 2, 3), DEFAULT_SCHEDULES, fixed={"dp_replicate": 1})
+        auto.run()
+        flat.run()
+        assert auto.rejected == flat.rejected and auto.families == flat.families
+        assert auto.best is not None and flat.best is not None and auto.best[0] <= flat.best[0]
+
+
+def test_hsdp_all_reduce_hides_behind_one_micro_batch() -> None:
+    """Like ZeRO-0's all-reduce, HSDP's needs the last micro-batch's gradients: 16 micro-batches of
+    compute do not hide it (llama3-70b, 32 replicas of 2 shards across racks)."""
+    env = Env(get_preset("llama3-70b"), TrainSpec(1024, 2048), ClusterSpec("H100-80GB", 1024))
+    lay = Layout(tp=4, pp=4, dp=64, zero_stage=2, micro_batch_size=1, num_microbatches=16,
+                 schedule="interleaved_1f1b", virtual_stages=4, sequence_parallel=True, dp_replicate=32)
+    stage = Stage(Family(env, 4, 1, 4, 64, 1, 32), 4, False)
+    combo = combine(stage, Micro(stage.fam, 1, True, "none"), lay.schedule, 16)
+    total = stage.dp_once[2] + stage.hsdp_once[2] + 16 * stage.dp_per_mb[2]
+    assert stage.hsdp_once[2] - combo.compute_mb > total - 16 * combo.compute_mb  # the bound binds
+    exposed = stage.hsdp_once[2] - combo.compute_mb
+    expected = exposed + env.gpu.overlap_slowdown * (total - exposed)
+    assert dp_exposed(stage, combo, 2) == pytest.approx(expected, rel=1e-12)
+    assert detail_for(env, lay).time_s["dp_exposed"] == pytest.approx(expected, rel=1e-12)
 
 
 def test_partial_layout_keeps_dp_replicate() -> None:

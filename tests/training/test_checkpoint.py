@@ -117,6 +117,17 @@ def _fsdp(model: nn.Module, world: int) -> nn.Module:
     return model
 
 
+def _hsdp(model: nn.Module, world: int) -> nn.Module:
+    """FSDP2 over a (replicate 2, shard world / 2) mesh, as layout.dp_replicate = 2 builds it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    for m in (model.fc1, model.fc2, model):
+        fully_shard(m, mesh=mesh)
+    return model
+
+
 def _tp(model: nn.Module, world: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -267,6 +278,13 @@ def _four_rank_loads(rank: int, world: int, root: str) -> None:
     _assert_same(_model_full(model), refs["fsdp"][0])
     _assert_same(_optim_full(model, opt), refs["fsdp"][1])
 
+    model = _hsdp(_net(1), world)  # FSDP2 on 2 ranks -> HSDP 2 x 2, which saves and reloads
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    load_checkpoint(f"{root}/fsdp/step-2", [model], opt)
+    _assert_same(_model_full(model), refs["fsdp"][0])
+    _assert_same(_optim_full(model, opt), refs["fsdp"][1])
+    Checkpointer().save(f"{root}/hsdp", 2, [model], opt, {})
+
     model = _tp(_net(1), world)  # TP 2 -> TP 4
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
     load_checkpoint(f"{root}/tp/step-2", [model], opt)
@@ -300,6 +318,11 @@ def test_checkpoints_reshard_onto_four_ranks(two_rank, tmp_path):
     }
     torch.save(refs, f"{root}/refs-4.pt")
     run_ranks(4, _four_rank_loads, (root,))
+    model = _net(1)  # HSDP 2 x 2 -> one plain process
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    load_checkpoint(f"{root}/hsdp/step-2", [model], opt)
+    _assert_same(_model_full(model), refs["fsdp"][0])
+    _assert_same(_optim_full(model, opt), refs["fsdp"][1])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -185,6 +185,17 @@ class Layout:
     def with_(self, **changes: Any) -> Layout:
         return replace(self, **changes)
 
+    def with_dp(self, dp: int, num_microbatches: int, shard: int | None = None) -> Layout:
+        """This layout on `dp` replicas (a replan, growing back). HSDP keeps its shard groups of
+        `shard` ranks (default: this layout's dp_shard; growing back passes the planned layout's),
+        so each rank's share of the state is unchanged, and changes how many there are, when `dp`
+        allows it; otherwise it becomes plain ZeRO-2/3 over `dp`. LayoutError if no layout runs."""
+        r = 1
+        shard = shard or (self.dp_shard if self.dp_replicate > 1 else None)
+        if shard and self.zero_stage >= 2 and dp % shard == 0:
+            r = dp // shard
+        return replace(self, dp=dp, num_microbatches=num_microbatches, dp_replicate=r)
+
     def describe(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
         if self.cp > 1:

@@ -98,10 +98,12 @@ def own_gpus(placement: Iterable[Mapping[str, Any]]) -> dict[str, int]:
 
 
 def grow_layout(current: Layout, topology: Topology, held: Mapping[str, int], max_gpus: int,
-                exclude: Collection[str] = ()) -> Layout | None:
+                exclude: Collection[str] = (), planned: Layout | None = None) -> Layout | None:
     """The largest DP above `current.dp` whose world size is at most `max_gpus`, whose global batch is
     `current`'s (dp x micro_batch_size x num_microbatches; accumulation lowered to keep it) and which
-    places on `topology` with the GPUs `held` by the job itself counted free; None if there is none."""
+    places on `topology` with the GPUs `held` by the job itself counted free; None if there is none.
+    A `planned` HSDP layout's shard groups come back with the replicas (Layout.with_dp)."""
+    shard = planned.dp_shard if planned is not None and planned.dp_replicate > 1 else None
     freed = _with_freed(topology, held)
     per_replica = current.world_size // current.dp
     batch = current.global_batch
@@ -109,8 +111,7 @@ def grow_layout(current: Layout, topology: Topology, held: Mapping[str, int], ma
         if batch % (dp * current.micro_batch_size):
             continue
         try:
-            candidate = dataclasses.replace(current, dp=dp,
-                                            num_microbatches=batch // (dp * current.micro_batch_size))
+            candidate = current.with_dp(dp, batch // (dp * current.micro_batch_size), shard)
             place(candidate, freed, exclude_nodes=exclude)
         except (ValueError, PlacementError):  # LayoutError is a ValueError
             continue
@@ -160,7 +161,8 @@ def _maybe_ask(sm: ControllerStateMachine, growth: Growth, status: GroupStatus, 
         return  # the job ends at the next step anyway
     attributor = sm.attributor
     topology = sm.wg.topology(attributor.health_view(), attributor.cordoned)
-    target = grow_layout(current, topology, own_gpus(sm.job.placement), growth.max_gpus, attributor.exclude)
+    target = grow_layout(current, topology, own_gpus(sm.job.placement), growth.max_gpus, attributor.exclude,
+                         growth.planned)
     if target is None:
         return
     growth.target, growth.asked_in = target, sm.attempt
