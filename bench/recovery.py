@@ -268,10 +268,6 @@ def node_loss(steps: int, every: int, kill_at: int) -> None:
     print(f"final weights identical: {len({r['digest'] for _, r in rows}) == 1}")
 
 
-if __name__ == "__main__":
-    main()
-
-
 def hsdp(steps: int, every: int, kill_at: int, skip_ray_train: bool) -> None:
     """ZeRO-3 over DP 4 as HSDP (dp_replicate 2): rank 3 killed, its shard taken from rank 1."""
     from bench._common import machine
@@ -303,3 +299,7 @@ def hsdp(steps: int, every: int, kill_at: int, skip_ray_train: bool) -> None:
         for name, r in rows[:-1]:
             print(f"ratio {name} / Ray Train (same job): {r['kill_to_step_s'] / ray_s:.2f}"
                   + (" (target <= 0.25, 0 steps lost)" if name.startswith("Lattice peer") else ""))
+
+
+if __name__ == "__main__":
+    main()
