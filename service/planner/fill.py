@@ -213,17 +213,24 @@ def _runnable_error(env: Env, layout: Layout, gpus_from: str) -> str | None:
 
 
 def _why_not(env: Env, fields: dict[str, Any], nearest: Plan | None, gpus_from: str) -> str:
-    """The first rule the given fields break: the model's rules, exact divisibility, then the given
-    fields put into the nearest layout (so the rule named is one the given values break), memory."""
+    """The first rule the given fields break: exact divisibility of their own products, the model's
+    rules and the layout's with the given fields put into the nearest layout (so the rule named is
+    one the given values break), memory."""
     merged = _merge(env, nearest.layout.to_dict() if nearest is not None else Layout().to_dict(), fields)
     try:
         layout: Layout | None = Layout(**merged)
         structure = None
     except LayoutError as e:
         layout, structure = None, str(e)
-    if layout is not None:
+    # The model's rules on the given values themselves, then their own products: a rule the merge
+    # broke with a degree it chose (pp made to restore the GPU count) is not the user's mistake.
+    try:
+        own: Layout | None = Layout(**fields)
+    except (LayoutError, TypeError):
+        own = None  # not a layout without other fields: the merged one below says why
+    if own is not None:
         try:
-            check_layout_for_model(env.model, layout)
+            check_layout_for_model(env.model, own)
         except LayoutError as e:
             return str(e)
     degrees = {k: fields[k] for k in DEGREES if k in fields}
@@ -236,6 +243,11 @@ def _why_not(env: Env, fields: dict[str, Any], nearest: Plan | None, gpus_from: 
     if batch and (env.g % product or (len(batch) == 3 and product != env.g)):
         need = "equal" if len(batch) == 3 else "divide"
         return f"{' x '.join(batch)} = {product} must {need} train.global_batch ({env.g})"
+    if layout is not None:
+        try:
+            check_layout_for_model(env.model, layout)
+        except LayoutError as e:
+            return str(e)
     if layout is None:
         return str(structure)
     error = _runnable_error(env, layout, gpus_from)

@@ -28,7 +28,7 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str, str]] = [
     ("bad degree", tiny(parallelism={"tp": 0}), "parallelism.tp", "greater than or equal to 1"),
     (
         "layout rule",
-        tiny(parallelism={"dp": 4, "schedule": "1f1b"}),
+        tiny(parallelism={"dp": 4, "pp": 1, "schedule": "1f1b"}),
         "parallelism",
         "must be 'none' when pp == 1",
     ),
@@ -37,6 +37,12 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str, str]] = [
         tiny(parallelism={"dp": 2, "micro_batch_size": 1, "num_microbatches": 1}),
         "parallelism",
         "must equal train.global_batch (4)",
+    ),
+    (  # one micro-batch per rank (dp 4, global batch 4): too few for any 1F1B pipeline
+        "schedule needs micro-batches",
+        tiny(parallelism={"dp": 4, "schedule": "1f1b"}),
+        "parallelism",
+        "must be >= pp",
     ),
     ("auto misspelt", tiny(parallelism="automatic"), "parallelism", "'auto'"),
     ("unknown field", tiny(colour="blue"), "colour", "unknown field"),
