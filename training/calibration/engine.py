@@ -5,10 +5,15 @@ DTensor dispatch around a tensor-parallel linear and its all-reduce, FSDP2's cop
 hooks around each all-gather and reduce-scatter, the wake-up of the backend's threads after compute,
 and two ranks computing at once on one host. So these are timed as the engine issues them:
 
-- `tp_linear`: one linear sharded by `parallelize_module` (a ColwiseParallel + RowwiseParallel pair, as
-  training/parallel/tensor.py shards attention and MLP), forward + backward, minus the same local
-  matmuls without DTensor; per linear, over activation message sizes (each sharded linear issues one
-  all-reduce of its (tokens, hidden) activation or input gradient).
+- `tp_linear`: the engine's Transformer (a 2-block model of hidden 128) sharded by
+  `apply_tensor_parallel` (training/parallel/tensor.py: q, k, v, MLP up / gate column-wise, o and MLP
+  down row-wise, the embedding and head over the vocabulary), forward + backward, minus a model of the
+  shapes one TP rank computes (every sharded weight cut to its local shard, plain modules); per sharded
+  linear (each issues one all-reduce of its (tokens, hidden) activation or input gradient; the
+  embedding and head count as one each), over activation message sizes. Timed inside the model, not as
+  a bare ColwiseParallel + RowwiseParallel pair: between collectives the ranks compute attention, norms
+  and the other linears, and the pair loop read 20-30% below what a step pays per linear (measured:
+  2.2-2.8 ms against 3.0-3.5 ms a linear in the demo's TP 2 steps).
 - `fsdp_unit`: the engine's Transformer sharded by `apply_fsdp` as ZeRO-3 (training/parallel/fsdp.py: a
   unit per block plus the root), forward + backward, minus the same model unsharded; per unit, over
   the mean unit's parameter bytes (a 2-block model of hidden 128; above it, the extra bytes at the link's
@@ -40,6 +45,9 @@ from torch import nn
 TP_TOKENS = (256, 1024)  # (tokens, hidden 128) activations: 128 KiB and 512 KiB fp32 messages
 TP_HIDDEN = 128
 MODEL_HIDDEN = 128  # a 2-block model of the engine: ~0.6 MiB units (its FSDP2 cost is mostly fixed)
+# Steps of that model per timing (~10 ms each here): with 3, the DDP step's cost (a difference of two
+# timings) read 3.8-8.9 ms across six calibrations of one quiet host.
+MODEL_ITERS = 8
 
 
 def _mean(fn: Callable[[], Any], iters: int) -> float:
@@ -69,29 +77,58 @@ def _fwd_bwd(net: nn.Module, x: torch.Tensor) -> Callable[[], None]:
         net(x).float().sum().backward()
         for p in net.parameters():
             p.grad = None
-        x.grad = None
 
     return step
 
 
+def _local_shapes(model: nn.Module, tp: int) -> nn.Module:
+    """`model` with every weight `apply_tensor_parallel` shards cut to one rank's local shard (plain
+    modules): the arithmetic a TP rank does, without the collectives and DTensor around it."""
+    for block in model.layers.values():  # type: ignore[union-attr]
+        a, f = block.attention, block.feed_forward
+        for owner, name, col in ((a, "wq", True), (a, "wk", True), (a, "wv", True), (a, "wo", False),
+                                 (f, "w1", True), (f, "w3", True), (f, "w2", False)):
+            lin = getattr(owner, name)
+            if lin is not None:
+                shape = (lin.in_features, lin.out_features // tp) if col else (lin.in_features // tp,
+                                                                               lin.out_features)
+                setattr(owner, name, nn.Linear(*shape, bias=False))
+    emb, head = model.tok_embeddings, model.output
+    model.tok_embeddings = nn.Embedding(emb.num_embeddings // tp, emb.embedding_dim)  # type: ignore[union-attr]
+    model.output = nn.Linear(head.in_features, head.out_features // tp, bias=False)  # type: ignore[union-attr]
+    return model
+
+
+def _sharded_linears(model: nn.Module) -> int:
+    """Collectives a TP forward + backward issues, one per sharded linear plus the embedding and head."""
+    blocks = model.layers.values()  # type: ignore[union-attr]
+    return sum(6 + (b.feed_forward.w3 is not None) for b in blocks) + 2
+
+
 def measure_tp_linear(world: int, repeats: int, tokens: Sequence[int] = TP_TOKENS,
                       hidden: int = TP_HIDDEN) -> list[list[float]]:
-    """[(message bytes, seconds per sharded linear forward + backward beyond its local matmuls)]."""
+    """[(message bytes, seconds per sharded linear forward + backward beyond its local arithmetic)],
+    timed inside the engine's TP-sharded Transformer (see the module docstring)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from training.config.spec import ModelSpec
+    from training.model.transformer import Transformer
+    from training.parallel.tensor import apply_tensor_parallel
 
     mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
+    spec = ModelSpec(layers=2, hidden=hidden, heads=8, kv_heads=2, vocab=512, seq_len=64, name="calibration")
     out: list[list[float]] = []
     for t in tokens:
-        h, f = hidden, 4 * hidden
-        sharded = nn.Sequential(nn.Linear(h, f, bias=False), nn.Linear(f, h, bias=False))
-        parallelize_module(sharded, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
-        local = nn.Sequential(nn.Linear(h, f // world, bias=False), nn.Linear(f // world, h, bias=False))
-        # The input needs its gradient: ColwiseParallel's backward all-reduces it (as between blocks).
-        x = torch.randn(t, h, requires_grad=True)
-        extra = _extra(_fwd_bwd(sharded, x), _fwd_bwd(local, x), 6, repeats)
-        out.append([float(t * h * x.element_size()), extra / 2])  # two linears
+        torch.manual_seed(0)
+        sharded = Transformer(spec)
+        sharded.init_weights(0)
+        apply_tensor_parallel(sharded, mesh, sequence_parallel=False)
+        local = _local_shapes(Transformer(spec), world)
+        batch = torch.randint(0, spec.vocab // world, (max(1, t // spec.seq_len), spec.seq_len),
+                              generator=torch.Generator().manual_seed(0))
+        iters = max(2, 6 * TP_TOKENS[0] // t)  # ~the same seconds per timing at every size
+        extra = _extra(_fwd_bwd(sharded, batch), _fwd_bwd(local, batch), iters, repeats)
+        out.append([float(t * hidden * 4), extra / _sharded_linears(local)])  # fp32 activations
     return out
 
 
@@ -125,7 +162,7 @@ def measure_fsdp_unit(world: int, repeats: int, hidden: Sequence[int] = (MODEL_H
         (plain, sharded), tokens, nbytes, layers = _demo_like(h, 2)
         apply_fsdp(sharded, mesh, reshard_after_forward=True, device_type="cpu")  # type: ignore[arg-type]
         units = layers + 1  # a unit per block and the root (embedding, norm, head)
-        extra = _extra(_fwd_bwd(sharded, tokens), _fwd_bwd(plain, tokens), 3, repeats)
+        extra = _extra(_fwd_bwd(sharded, tokens), _fwd_bwd(plain, tokens), MODEL_ITERS, repeats)
         out.append([nbytes / units, extra / units])
     return out
 
@@ -146,7 +183,7 @@ def measure_ddp_step(repeats: int, hidden: Sequence[int] = (MODEL_HIDDEN,)) -> l
             for p in ddp.parameters():
                 p.grad = None
 
-        out.append([float(nbytes), _extra(step, _fwd_bwd(plain, tokens), 3, repeats)])
+        out.append([float(nbytes), _extra(step, _fwd_bwd(plain, tokens), MODEL_ITERS, repeats)])
     return out
 
 
