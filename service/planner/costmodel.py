@@ -422,8 +422,8 @@ def dp_exposed(stage: Stage, combo: Combo, z: int) -> float:
     step's first forward; ZeRO-2/3 communicate every micro-batch, overlapped with all of them. The last
     bucket (about one layer's share) can never overlap, and what overlaps slows compute by
     OVERLAP_SLOWDOWN. HSDP's all-reduce across the replicas is ZeRO-0's all-reduce of a gradient shard:
-    it needs the last micro-batch's gradients (the engine syncs only then, training/parallel/optim.py),
-    so, like ZeRO-0's, only one micro-batch's compute can hide it.
+    it needs the last micro-batch's gradients (the engine defers only that all-reduce,
+    training/parallel/optim.py), so, like ZeRO-0's, only one micro-batch's compute can hide it.
     """
     hsdp = stage.hsdp_once[z]
     total = stage.dp_once[z] + hsdp + combo.m * stage.dp_per_mb[z]

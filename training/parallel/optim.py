@@ -28,9 +28,17 @@ from training.parallel.zero import ShardedOptimizer
 
 @contextlib.contextmanager
 def microbatch_context(module: nn.Module, is_last: bool) -> Iterator[None]:
-    """Skip the data-parallel gradient reduction on every micro-batch but the last."""
+    """Defer the data-parallel gradient reduction to the last micro-batch where that costs no memory.
+
+    FSDP2 (ZeRO-2/3) reduce-scatters every micro-batch, so gradients stay sharded between them (the
+    stages' definition, Rajbhandari et al. 2020, Sec. 5.2; torchtitan's default; what the planner's
+    memory model charges): deferring it would hold every unit's unsharded gradient until the last
+    micro-batch. Only HSDP's all-reduce across the replicate groups waits for the last one (FSDP2 keeps
+    the partial sums as shards). Our DDP / ZeRO-1 accumulate in `.grad` (full size either way) and
+    reduce once.
+    """
     if isinstance(module, FSDPModule):
-        module.set_requires_gradient_sync(is_last)
+        module.set_requires_all_reduce(is_last)
         yield
     elif not is_last and hasattr(module, "no_sync"):
         with module.no_sync():
