@@ -59,17 +59,17 @@ def choose(run_cfg: RunConfig, ranks: Sequence[RankPlacement], lost: Collection[
     step = next(iter(steps))
     sources: dict[int, int] = {}
     load: dict[int, int] = {}
-    dp = run_cfg.layout.dp
+    layout = run_cfg.layout
     for r in sorted((x for x in ranks if x.rank in lost), key=lambda x: x.rank):
-        peers = [s for s in survivors if (s.pp, s.tp, s.cp) == (r.pp, r.tp, r.cp)]
-        if run_cfg.layout.zero_stage == 1:  # the shadow of r's optimizer shard is on dp - 1 only
-            peers = [s for s in peers if s.dp == (r.dp - 1) % dp]
+        if layout.zero_stage == 1:  # the shadow of r's optimizer shard is on dp - 1 only
+            before = (r.dp - 1) % layout.dp
+            peers = [s for s in survivors if (s.pp, s.tp, s.cp, s.dp) == (r.pp, r.tp, r.cp, before)]
             if not peers:
                 return RecoveryPath("checkpoint", f"rank {r.rank}'s ZeRO-1 shard was lost with its shadow "
-                                    f"(DP ring neighbour dp {(r.dp - 1) % dp} lost too)")
-        if run_cfg.layout.zero_stage >= 2:  # HSDP: the same FSDP shard is in each replicate group
-            shard = run_cfg.layout.dp_shard
-            peers = [s for s in peers if s.dp % shard == r.dp % shard]
+                                    f"(DP ring neighbour dp {before} lost too)")
+        else:  # ZeRO-0: every DP replica; HSDP: the same FSDP shard in each other replicate group
+            holders = set(layout.shard_peers(r.rank))
+            peers = [s for s in survivors if s.rank in holders]
         if not peers:
             return RecoveryPath("checkpoint", f"rank {r.rank} has no healthy DP peer (its shard is lost)")
         src = min(peers, key=lambda s: (load.get(s.rank, 0), s.rank))  # spread the sends

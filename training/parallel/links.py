@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 _LISTEN, _ESTABLISHED = "0A", "01"
 
 
-def _own_inodes() -> set[int]:
-    out = set()
+def _own_sockets() -> dict[int, int]:
+    """inode -> file descriptor of every socket this process holds."""
+    out: dict[int, int] = {}
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:
@@ -42,7 +43,7 @@ def _own_inodes() -> set[int]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            out.add(int(target[8:-1]))
+            out[int(target[8:-1])] = int(fd)
     return out
 
 
@@ -60,29 +61,17 @@ def _tcp() -> list[tuple[int, int, str, int]]:
     return rows
 
 
-def _fd_of(inodes: set[int]) -> dict[int, int]:
-    out = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:[") and int(target[8:-1]) in inodes:
-            out[int(target[8:-1])] = int(fd)
-    return out
-
-
 class GlooLinks:
     """This process's gloo connections of one attempt (see the module docstring)."""
 
     def __init__(self) -> None:
-        mine = _own_inodes()
+        mine = _own_sockets()
         self._before = {inode for _, _, state, inode in _tcp() if state == _LISTEN and inode in mine}
         self.mine: set[int] = set()  # this rank's gloo listening ports
         self.ports: set[int] = set()  # every rank's
 
     def listening_ports(self) -> set[int]:
-        mine = _own_inodes()
+        mine = _own_sockets()
         return {port for port, _, state, inode in _tcp()
                 if state == _LISTEN and inode in mine and inode not in self._before}
 
@@ -95,10 +84,11 @@ class GlooLinks:
 
     def sever(self) -> int:
         """Shut down this process's gloo pair connections; returns how many."""
-        mine = _own_inodes()
+        mine = _own_sockets()
         doomed = {inode for local, remote, state, inode in _tcp()
                   if inode in mine and state == _ESTABLISHED and (local in self.mine or remote in self.ports)}
-        for inode, fd in _fd_of(doomed).items():
+        for inode in doomed:
+            fd = mine[inode]
             try:  # on a duplicate: the connection ends, gloo keeps (and later closes) its own fd
                 with socket.socket(fileno=os.dup(fd)) as s:
                     s.shutdown(socket.SHUT_RDWR)
