@@ -56,6 +56,8 @@ CASES = [
     Case("fsdp_zero3_tied", "tied_gelu2", {"dp": 8, "zero_stage": 3}),
     Case("hsdp_zero3", "gqa2", {"dp": 8, "zero_stage": 3, "dp_replicate": 2}),
     Case("hsdp_zero2_tp_clip", "gqa2", {"dp": 4, "tp": 2, "zero_stage": 2, "dp_replicate": 2}, grad_clip=0.5),
+    Case("pp_hsdp_zero3_1f1b", "gqa", {"pp": 2, "dp": 4, "zero_stage": 3, "dp_replicate": 2,
+                                       "schedule": "1f1b", "num_microbatches": 2}),
     Case("torch_ddp", "gqa2", {"dp": 8}, dp_impl="torch"),
     Case("tp", "mha2", {"tp": 8}),
     Case("tp_sp_tied", "tied_gelu2", {"tp": 8, "sequence_parallel": True}),
