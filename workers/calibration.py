@@ -15,8 +15,9 @@ log = logging.getLogger(__name__)
 def calibrate_here(node_type: str, *, quick: bool = False, collectives: bool = True) -> dict[str, Any]:
     """The hardware profile document of this machine (training.calibration.calibrate)."""
     from training.calibration import Grid, calibrate
+    from training.parallel.dist import default_device
 
-    grid = Grid.quick() if quick else Grid()
+    grid = Grid.quick() if quick else Grid.for_device(default_device())
     if not collectives:
         grid = Grid(**{**grid.__dict__, "collectives": False})
     return calibrate(node_type, grid)

@@ -95,6 +95,19 @@ def test_planner_gpu_names() -> None:
     assert gpu_check.planner_gpu("NVIDIA H100 80GB HBM3") == "H100-80GB"
 
 
+def test_a_gpu_is_calibrated_at_the_shapes_a_training_step_runs() -> None:
+    from training.calibration import Grid
+
+    cpu, gpu = Grid.for_device(torch.device("cpu")), Grid.for_device(torch.device("cuda", 0))
+    assert cpu == Grid()  # CPU nodes keep the default grid
+    # The 1B model's matmuls (hidden 2048, ffn 8192) and its sequence (2048) lie inside the GPU grid,
+    # not beyond the CPU grid's largest point, where the curve would be extrapolated.
+    assert max(gpu.matmul_sizes) >= 8192 > max(cpu.matmul_sizes)
+    assert max(gpu.attention_seqs) >= 2 * gpu_check.SEQ and 128 in gpu.head_dims
+    assert gpu.attention_heads >= 32 and gpu.flops_per_timing > cpu.flops_per_timing
+    assert gpu.copy_bytes >= 1 << 30 and gpu.collectives
+
+
 def test_every_layout_gets_the_planners_prediction_and_fits_one_h200() -> None:
     from training.calibration import Grid, calibrate
 

@@ -41,6 +41,19 @@ class Grid:
     short_budget_s: float = 0.06
     collectives: bool = True
     engine_points: int = 2  # with the collectives on CPU: sizes of the engine's TP / FSDP2 costs (engine.py)
+    attention_heads: int = 4
+    flops_per_timing: float = 2e9  # on CUDA, matmuls queued per timing until about this many FLOPs
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> Grid:
+        """The grid a node type is calibrated with: the default on CPU; on CUDA the shapes a training
+        step runs (matmuls up to 8192, attention to 8192 tokens with 32 heads, messages to 256 MiB,
+        a 1 GiB copy), each timing long enough (~0.3 ms of queued matmuls) that launches don't count."""
+        if device.type != "cuda":
+            return cls()
+        return cls(matmul_sizes=(512, 1024, 2048, 4096, 8192), attention_seqs=(512, 1024, 2048, 4096, 8192),
+                   head_dims=(64, 128), message_bytes=(1 << 20, 16 << 20, 256 << 20), copy_bytes=1 << 30,
+                   repeats=5, short_budget_s=0.02, attention_heads=32, flops_per_timing=2e11)  # fmt: skip
 
     @classmethod
     def quick(cls) -> Grid:
@@ -94,8 +107,9 @@ def measure_matmul(grid: Grid, device: torch.device) -> dict[str, list[list[floa
         for m, n, k in shapes:
             a = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
             b = torch.randn(k, n, generator=gen).to(device=device, dtype=dtype)
-            # Enough matmuls per timing to last ~1 ms on a fast device.
-            inner = max(1, min(64, int(2e9 / (2.0 * m * n * k) if device.type == "cuda" else 1)))
+            # Enough matmuls queued per timing that a fast device's launch and sync don't count.
+            queued = int(grid.flops_per_timing / (2.0 * m * n * k)) if device.type == "cuda" else 1
+            inner = max(1, min(64, queued))
             t = _best_time(lambda a=a, b=b, inner=inner: [a @ b for _ in range(inner)], device, grid.repeats,
                            grid.short_budget_s)
             pts.append([m, n, k, 2.0 * m * n * k * inner / t])
@@ -107,7 +121,7 @@ def measure_attention(grid: Grid, device: torch.device, dtype: torch.dtype) -> l
     """[(seq, head_dim, achieved FLOP/s of causal SDPA forward + backward)]: the work done, 12*s*d per
     query per head (PaLM, Appendix B) halved for the causal mask (Dao 2023, FlashAttention-2, Sec. 4.1)."""
     gen = torch.Generator(device="cpu").manual_seed(1)
-    heads = 4
+    heads = grid.attention_heads
     pts: list[list[float]] = []
     for hd in grid.head_dims:
         for s in grid.attention_seqs:
@@ -231,9 +245,9 @@ def rank_threads() -> int:
 
 def calibrate(node_type: str, grid: Grid | None = None) -> dict[str, Any]:
     """The hardware profile document of this machine for `node_type` (version 0: the store numbers it)."""
-    grid = grid or Grid()
     t0 = time.perf_counter()
     device = default_device()
+    grid = grid or Grid.for_device(device)
     threads_before = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(rank_threads())
