@@ -335,6 +335,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         calibration = calibrate_gpu()
         meta["calibration s (target < 10 on a GPU)"] = calibration["meta"]["seconds"]
+        meta["calibration phases s"] = calibration["meta"].get("phases")
+        if os.environ.get("OUT"):  # the whole profile document, for the planner's tests and docs
+            import json
+
+            Path(os.environ["OUT"], "gpu_profile.json").write_text(json.dumps(calibration, indent=1))
     except Exception as e:  # noqa: BLE001 - the training numbers are still worth having
         meta["calibration error"] = f"{type(e).__name__}: {e}"
     for note in predict(rows, gpu_type, calibration):

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from bench._common import Timer, bench_device, build_bench_model, machine, median, spawn, table
 from training.parallel.ddp import DDP
+from training.parallel.dist import all_gather_single
 from training.parallel.zero import ShardedOptimizer
 
 MB = 1024 * 1024
@@ -105,7 +106,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], zero: bool) -> dict[str,
     m["step_s"] = median(step_times)
     mine = torch.tensor([float(m[k]) for k in FIELDS], dtype=torch.float64, device=device)
     every = torch.empty(world * len(FIELDS), dtype=torch.float64, device=device)
-    dist.all_gather_single(every, mine)
+    all_gather_single(every, mine)
     rows = every.view(world, len(FIELDS)).cpu().tolist()
     return {
         "params": sum(p.numel() for p in model.parameters()),

@@ -253,17 +253,27 @@ def calibrate(node_type: str, grid: Grid | None = None) -> dict[str, Any]:
         torch.set_num_threads(rank_threads())
     wall0, cpu0 = time.perf_counter(), time.process_time()
     host_slowdown = 1.0
+    phases: dict[str, float] = {}  # seconds per measurement, in the profile's meta
+
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        out = fn()
+        phases[name] = round(time.perf_counter() - start, 3)
+        return out
+
     try:
-        matmul = measure_matmul(grid, device)
+        matmul = timed("matmul", lambda: measure_matmul(grid, device))
         compute_dtype = "bf16" if "bf16" in matmul else "fp32"
         dtype = torch.bfloat16 if compute_dtype == "bf16" else torch.float32
         doc: dict[str, Any] = {
             "node_type": node_type, "version": 0, "compute_dtype": compute_dtype, "matmul": matmul,
-            "attention": measure_attention(grid, device, dtype), "memory_bw": measure_memory_bw(grid, device),
-            "op_overhead_s": measure_op_overhead(device, grid.repeats, budget_s=grid.short_budget_s),
+            "attention": timed("attention", lambda: measure_attention(grid, device, dtype)),
+            "memory_bw": timed("memory_bw", lambda: measure_memory_bw(grid, device)),
+            "op_overhead_s": timed("op_overhead", lambda: measure_op_overhead(device, grid.repeats,
+                                                                             budget_s=grid.short_budget_s)),
             "collectives": {}, "ranks": 2, "backend": "",
         }  # fmt: skip
-        optimizer = measure_optimizer(device, grid.repeats, grid.short_budget_s)
+        optimizer = timed("optimizer", lambda: measure_optimizer(device, grid.repeats, grid.short_budget_s))
         doc["optimizer_tensor_s"], doc["optimizer_param_s"] = optimizer
         threads = torch.get_num_threads()
         # The timings above are medians of short calls that mostly fit between other processes' time
@@ -277,13 +287,13 @@ def calibrate(node_type: str, grid: Grid | None = None) -> dict[str, Any]:
         torch.set_num_threads(threads_before)
     # Two local ranks need two devices on a GPU node (NCCL); with one GPU the catalogue's links stay.
     if grid.collectives and (device.type == "cpu" or torch.cuda.device_count() >= 2):
-        coll = measure_collectives(grid)
+        coll = timed("collectives", lambda: measure_collectives(grid))
         doc["collectives"], doc["backend"] = coll["collectives"], coll["backend"]
         # tp_linear, fsdp_unit, ddp_step, concurrency, step_overhead_s (engine.py)
         doc.update(coll.get("engine", {}))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     doc["meta"] = {"device": device_name, "threads": threads, "cores": os.cpu_count() or 1,
                    "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 3),
-                   "host_slowdown": host_slowdown}  # fmt: skip
+                   "host_slowdown": host_slowdown, "phases": phases}  # fmt: skip
     log.info("calibrated %s on %s in %.1f s", node_type, device_name, doc["meta"]["seconds"])
     return doc

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from training.parallel.dist import all_gather_single
 from training.parallel.wrapping import local_tensor
 
 _MASK64 = (1 << 64) - 1
@@ -170,7 +171,7 @@ def vote_fingerprints(fingerprint: int, dp_group: dist.ProcessGroup | None) -> F
     ranks = dist.get_process_group_ranks(group)
     mine = torch.tensor(_split_fingerprint(fingerprint), dtype=torch.int64, device=_collective_device(group))
     gathered = torch.empty(len(ranks) * 4, dtype=torch.int64, device=mine.device)
-    dist.all_gather_single(gathered, mine, group=group)
+    all_gather_single(gathered, mine, group=group)
     rows = gathered.view(len(ranks), 4).cpu().tolist()
     values = [_join_fingerprint(row) for row in rows]
     return vote(values, ranks)
@@ -190,7 +191,7 @@ def summarize_step(
     words = [struct.unpack("<q", struct.pack("<d", loss))[0], *_split_fingerprint(fingerprint or 0)]
     mine = torch.tensor(words, dtype=torch.int64, device=device)
     gathered = torch.empty(world * 5, dtype=torch.int64, device=device)
-    dist.all_gather_single(gathered, mine)
+    all_gather_single(gathered, mine)
     rows = gathered.view(world, 5).cpu().tolist()
     total = math.fsum(struct.unpack("<d", struct.pack("<q", row[0]))[0] for row in rows)
     if fingerprint is None:

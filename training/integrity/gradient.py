@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from training.integrity.detectors import IntegrityError, json_number
+from training.parallel.dist import all_gather_single
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class GradientAudit:
         mine = torch.cat(rows)
         world = len(self.ranks)
         gathered = torch.empty(world * mine.numel(), dtype=mine.dtype, device=device)
-        dist.all_gather_single(gathered, mine, group=self.group)
+        all_gather_single(gathered, mine, group=self.group)
         table = gathered.view(world, len(buckets), _STATS + 1).cpu().tolist()  # the step's one host sync
         # this rank's local norms, read from the gathered table (no host sync of their own)
         self.local_norm = math.sqrt(sum(b[2] ** 2 for b in table[self.ranks.index(dist.get_rank())]))

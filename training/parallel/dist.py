@@ -33,6 +33,10 @@ import torch.distributed as dist
 
 from training.parallel.links import GlooLinks
 
+# torch 2.13 names it all_gather_single and deprecates all_gather_into_tensor; torch <= 2.12 (a GPU
+# image's own torch, say) has only the old name. Same arguments, same result.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 log = logging.getLogger(__name__)
 
 
