@@ -54,7 +54,7 @@ class LayoutResult:
     predicted_s: float | None = None  # the catalogue's curves
     calibrated_s: float | None = None  # with this GPU's measured profile
     predicted_mfu: float | None = None
-    plan_memory: float | None = None  # memory_per_gpu_bytes["total"]
+    plan_memory: float | None = None  # memory_per_gpu_bytes total - reserve: what the allocator holds
     measured_s: float | None = None
     measured_mfu: float | None = None
     peak_memory: float | None = None  # torch.cuda.max_memory_allocated
@@ -95,7 +95,7 @@ def layout_table(rows: Sequence[LayoutResult]) -> list[str]:
     """The per-layout markdown table: predicted vs measured step time, MFU and peak memory."""
     gib = 2.0**30
     out = ["| layout | predicted s (catalogue) | predicted s (calibrated) | measured s | measured/calibrated "
-           "| MFU predicted | MFU measured | plan GiB | peak GiB | peak/plan | note |",
+           "| MFU predicted | MFU measured | plan GiB (allocated) | peak GiB | peak/plan | note |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = [r.label, _f(r.predicted_s, ".3f"), _f(r.calibrated_s, ".3f"), _f(r.measured_s, ".3f"),
@@ -164,7 +164,7 @@ def calibration_lines(doc: dict[str, Any] | None) -> list[str]:
 
 
 def format_report(meta: dict[str, Any], calibration: dict[str, Any] | None, rows: Sequence[LayoutResult],
-                  tests: str) -> str:
+                  tests: str, profiled: Sequence[str] = ()) -> str:
     """The whole report as markdown."""
     lines = [f"# gpu_check: {meta.get('device', '?')}", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
@@ -173,6 +173,8 @@ def format_report(meta: dict[str, Any], calibration: dict[str, Any] | None, rows
               "", *layout_table(rows), "", "## Memory by term (the engine's account of its first step)", "",
               *memory_table(rows), "", "## Against the targets", "", *verdicts(rows), "",
               "## pytest -m gpu", "", "```", tests.strip() or "(not run)", "```", ""]
+    if profiled:
+        lines += ["## One profiled step (torch.profiler)", "", *profiled, ""]
     return "\n".join(lines)
 
 
@@ -234,7 +236,9 @@ def predict(rows: Sequence[LayoutResult], gpu_type: str, calibration: dict[str, 
             r.error = f"planner: {e}"
             continue
         r.predicted_s, r.predicted_mfu, r.flops_per_step = plan.step_time_s, plan.mfu, plan.flops_per_step
-        r.plan_memory = float(plan.memory_per_gpu_bytes["total"])
+        # What max_memory_allocated can see: the plan without its reserve (CUDA context, NCCL buffers,
+        # allocator fragmentation), the loss backward's transient included.
+        r.plan_memory = float(plan.memory_per_gpu_bytes["total"] - plan.memory_per_gpu_bytes["reserve"])
         r.plan_terms = {k: float(v) for k, v in plan.memory_per_gpu_bytes.items()}
         if profile is not None:
             calibrated = evaluate(model_1b(), train, ClusterSpec(gpu_type, 1, profile=profile), layout)
@@ -290,11 +294,11 @@ def measure(r: LayoutResult, ctx: Any, peak_flops: float, steps: int, compile_on
             torch.cuda.empty_cache()
 
 
-def run_gpu_tests(timeout_s: float) -> str:
+def run_gpu_tests(timeout_s: float, target: str = "tests/gpu") -> str:
     """`pytest -m gpu -q` in the checkout; its last lines (the summary)."""
     # tests/gpu alone: collecting the whole suite needs the service's packages (FastAPI, Ray, ...), which a
     # GPU image need not have; the engine's CUDA tests need torch and the checkout.
-    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-p", "no:randomly"]
+    cmd = [sys.executable, "-m", "pytest", target, "-m", "gpu", "-q", "-p", "no:randomly"]
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(30.0, timeout_s))
     except subprocess.TimeoutExpired:
@@ -307,8 +311,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="report file (default $OUT/gpu_check.md, else ./gpu_check.md)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per layout (after 2 warm-up steps)")
     p.add_argument("--budget-s", type=float, default=420.0, help="seconds for calibration and training")
+    p.add_argument("--total-s", type=float, default=TOTAL_BUDGET_S, help="seconds in all, tests too")
     p.add_argument("--compile", action="store_true", help="train with train.compile (torch.compile)")
     p.add_argument("--no-tests", action="store_true", help="skip `pytest -m gpu`")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one step of the no-recompute layouts (bench/gpu_profile.py)")
+    p.add_argument("--tests", default="tests/gpu", help="what `pytest -m gpu` runs (a folder or a node id)")
     return p.parse_args(argv)
 
 
@@ -331,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch": torch.__version__, "cuda": torch.version.cuda, "compile": args.compile,
         "model": "Llama 3.2 1B shape (16 x 2048, 32 heads / 8 kv, ffn 8192, vocab 128256, tied)"}  # fmt: skip
     rows = [LayoutResult(rec, mbs, GLOBAL_BATCH // mbs) for rec, mbs in LAYOUTS]
-    calibration = None
+    calibration, profiled = None, []
     try:
         calibration = calibrate_gpu()
         meta["calibration s (target < 10 on a GPU)"] = calibration["meta"]["seconds"]
@@ -355,11 +363,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             measure(r, ctx, gpu.peak_flops, args.steps, args.compile)
             print(f"{r.label}: {_f(r.measured_s, '.3f')} s/step, MFU {_f(r.measured_mfu, '.1%')}, "
                   f"peak {_f(r.peak_memory, '.1f', 2.0**30)} GiB {r.error or ''}", flush=True)
+        if args.profile:
+            from bench.gpu_profile import profile_layout, profile_lines
+
+            profiled = profile_lines([profile_layout(r, ctx) for r in rows if r.recompute == "none"])
     finally:
         shutdown()
     meta["seconds (calibration + training)"] = round(time.monotonic() - started, 1)
-    tests = "" if args.no_tests else run_gpu_tests(TOTAL_BUDGET_S - (time.monotonic() - started))
-    report = format_report(meta, calibration, rows, tests)
+    tests = "" if args.no_tests else run_gpu_tests(args.total_s - (time.monotonic() - started), args.tests)
+    report = format_report(meta, calibration, rows, tests, profiled)
     path = report_path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(report)

@@ -302,9 +302,9 @@ class Micro:
     """Per-layer activation bytes and per-micro-batch times for one (micro-batch size, sp, recompute)."""
 
     # fmt: off
-    __slots__ = ("mbs", "sp", "recompute", "act_layer", "act_work", "act_emb", "logits", "t_compute",
-        "t_compute_plain", "t_head", "t_tp", "t_tp_edge", "t_cp", "t_ep", "t_layer", "t_p2p", "tp_bytes",
-        "cp_bytes", "ep_bytes", "p2p_bytes")
+    __slots__ = ("mbs", "sp", "recompute", "act_layer", "act_work", "act_emb", "logits", "loss_grad",
+        "t_compute", "t_compute_plain", "t_head", "t_tp", "t_tp_edge", "t_cp", "t_ep", "t_layer", "t_p2p",
+        "tp_bytes", "cp_bytes", "ep_bytes", "p2p_bytes")
     # fmt: on
 
     def __init__(self, fam: Family, mbs: int, sp: bool, recompute: str) -> None:
@@ -324,6 +324,11 @@ class Micro:
         )
         self.act_emb = 2.0 * tokens * h / (tp if sp else 1)  # embedding output (bf16)
         self.logits = 6.0 * tokens * m.vocab / tp  # bf16 logits + fp32 log-softmax for the loss
+        # The loss's backward, with every activation still held: the fp32 gradients of the log-softmax
+        # (nll_loss backward) and of the logits (log_softmax backward) live at once, 8 bytes per token
+        # and vocabulary entry; the loss is not vocabulary-parallel (training/model/transformer.py).
+        # Measured on an H200 (docs/benchmarks.md): the allocator's peak exceeds the saved tensors by this.
+        self.loss_grad = 8.0 * tokens * m.vocab
         if cp == 1 and not m.is_moe and env.train.attention == "flash":  # the engine's own saved tensors
             self.act_layer, self.act_work, self.act_emb, self.logits = engine_activation_terms(
                 m, tokens, tp, sp, recompute, env.train.precision)
@@ -396,6 +401,8 @@ class Combo:
     core: float  # m micro-batches plus the bubble
     act_first: float
     act_last: float
+    loss_first: float  # the loss backward's transient on the first / last stage (Micro.loss_grad)
+    loss_last: float
 
 
 def combine(stage: Stage, micro: Micro, schedule: str, m: int) -> Combo:
@@ -412,7 +419,9 @@ def combine(stage: Stage, micro: Micro, schedule: str, m: int) -> Combo:
     else:
         infl_last = float(m) if schedule == "gpipe" else 1.0
         act_last = stage.layers * micro.act_layer * infl_last + micro.logits + micro.act_work
-    return Combo(m, schedule, t_mb, compute_mb, bubble, core, act_first, act_last)
+    loss_first = micro.loss_grad if stage.same_rank else 0.0
+    return Combo(m, schedule, t_mb, compute_mb, bubble, core, act_first, act_last, loss_first,
+                 micro.loss_grad)
 
 
 def dp_exposed(stage: Stage, combo: Combo, z: int) -> float:
@@ -439,5 +448,6 @@ def finish(stage: Stage, combo: Combo, z: int) -> tuple[float, float]:
     step = combo.core + dp_exposed(stage, combo, z) + stage.opt[z] + env.eff.step_overhead
     sf, sl = stage.state_first[z], stage.state_last[z]
     extra = stage.buffers[z] + env.reserve
-    mem = max(sf[0] + sf[1] + sf[2] + combo.act_first, sl[0] + sl[1] + sl[2] + combo.act_last) + extra
+    mem = max(sf[0] + sf[1] + sf[2] + combo.act_first + combo.loss_first,
+              sl[0] + sl[1] + sl[2] + combo.act_last + combo.loss_last) + extra
     return step, mem

@@ -59,16 +59,18 @@ def build_detail(stage: Stage, micro: Micro, combo: Combo, z: int, layout: Layou
     fam, env = stage.fam, stage.fam.env
     step, mem_total = finish(stage, combo, z)
     m, layers = combo.m, stage.layers
-    first = sum(stage.state_first[z]) + combo.act_first
-    last = sum(stage.state_last[z]) + combo.act_last
-    state, act = (
-        (stage.state_first[z], combo.act_first) if first >= last else (stage.state_last[z], combo.act_last)
-    )
+    first = sum(stage.state_first[z]) + combo.act_first + combo.loss_first
+    last = sum(stage.state_last[z]) + combo.act_last + combo.loss_last
+    state, act, loss = (
+        (stage.state_first[z], combo.act_first, combo.loss_first) if first >= last
+        else (stage.state_last[z], combo.act_last, combo.loss_last)
+    )  # fmt: skip
     memory = {
         "params": state[0],
         "grads": state[1],
         "optimizer": state[2],
         "activations": act,
+        "loss_backward": loss,  # transient: the loss's fp32 gradients over the vocabulary
         "buffers": stage.buffers[z],
         "reserve": env.reserve,
         "total": mem_total,

@@ -154,7 +154,11 @@ def test_peak_memory_on_cuda_is_near_the_plan() -> None:
     out = one_rank(_memory)
     states = sum(out["plan"][k] for k in ("params", "grads", "optimizer") if k in out["plan"])
     assert out["peak"] >= 0.9 * states  # at least the model states the plan counts
-    assert out["peak"] == pytest.approx(out["plan"]["total"], rel=0.25)
+    # The allocator's peak is the plan without its reserve (CUDA context, NCCL buffers, fragmentation:
+    # memory max_memory_allocated does not see); it includes the loss backward's fp32 transient.
+    allocated = out["plan"]["total"] - out["plan"]["reserve"]
+    assert out["plan"]["loss_backward"] > 0
+    assert out["peak"] == pytest.approx(allocated, rel=0.10)
     terms = out["terms"]
     assert terms is not None, "the engine reports its memory account on the first step"
     for key in ("params", "grads", "optimizer"):  # exact byte counts: the plan's 2 + 2 + 12 per parameter

@@ -166,7 +166,7 @@ def test_main_wires_calibration_layouts_and_tests_into_one_report(tmp_path, monk
         r.measured_mfu = r.flops_per_step / (r.measured_s * peak)
 
     monkeypatch.setattr(gpu_check, "measure", fake_measure)
-    monkeypatch.setattr(gpu_check, "run_gpu_tests", lambda timeout_s: "5 passed in 42.0s")
+    monkeypatch.setattr(gpu_check, "run_gpu_tests", lambda timeout_s, target: f"5 passed in 42.0s ({target})")
     monkeypatch.setenv("OUT", str(tmp_path))
     assert gpu_check.main([]) == 0
     assert len(measured) == len(LAYOUTS) and {m[1] for m in measured} == {"ctx"}
@@ -174,4 +174,40 @@ def test_main_wires_calibration_layouts_and_tests_into_one_report(tmp_path, monk
     text = (tmp_path / "gpu_check.md").read_text()
     assert "# gpu_check: NVIDIA H200" in text and "planner gpu type: H200-141GB" in text
     assert text.count("| recompute=") == len(LAYOUTS) and "| 1.10 |" in text and "| 0.95 |" in text
-    assert "all within 10%" in text and "all within 25%" in text and "5 passed in 42.0s" in text
+    assert "all within 10%" in text and "all within 25%" in text and "5 passed in 42.0s (tests/gpu)" in text
+
+
+def test_profile_summary_counts_kernels_by_their_gpu_self_time() -> None:
+    from types import SimpleNamespace
+
+    from bench.gpu_profile import profile_lines, summarize
+
+    def avg(key: str, count: int, self_us: float, total_us: float, cpu_us: float) -> SimpleNamespace:
+        return SimpleNamespace(key=key, count=count, self_device_time_total=self_us,
+                               device_time_total=total_us, cpu_time_total=cpu_us)
+
+    events = [avg("sm90_gemm_bf16", 10, 3000.0, 3000.0, 0.0),
+              avg("elementwise_kernel", 50, 1000.0, 1000.0, 0.0), avg("aten::mm", 10, 0.0, 3000.0, 400.0),
+              avg("aten::add", 50, 0.0, 1000.0, 900.0),
+              avg("cudaLaunchKernel", 60, 0.0, 0.0, 800.0)]  # fmt: skip
+    p = summarize(events, "x", wall_s=0.008)
+    assert p.gpu_busy_s == pytest.approx(0.004) and p.kernels == 60  # kernels only, operators not again
+    assert [k[0] for k in p.top_kernels] == ["sm90_gemm_bf16", "elementwise_kernel"]
+    assert [o[0] for o in p.top_ops] == ["aten::mm", "aten::add"]
+    text = "\n".join(profile_lines([p]))
+    assert "| x | 0.008 | 0.004 | 0.50 | 60 |" in text and "sm90_gemm_bf16" in text
+
+
+def _profile_small(rank: int, world: int) -> dict:
+    from bench.gpu_profile import profile_layout
+    from training.parallel.dist import DistContext
+
+    spec = ModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, vocab=64, seq_len=16, ffn=64)
+    p = profile_layout(LayoutResult("none", 2, 2), DistContext(0, 1, torch.device("cpu"), "gloo"), model=spec)
+    return {"error": p.error, "wall": p.wall_s, "ops": len(p.top_ops), "busy": p.gpu_busy_s}
+
+
+def test_a_step_is_profiled_through_the_engine() -> None:
+    [out] = run_ranks(1, _profile_small)
+    assert out["error"] is None and out["wall"] > 0
+    assert out["busy"] == 0.0 and out["ops"] == 0  # on CPU no kernel has GPU time

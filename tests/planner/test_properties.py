@@ -84,7 +84,7 @@ def test_every_plan_satisfies_every_constraint(
     check_layout_for_model(model, lay)  # the engine runs every plan the search returns
     mem = p.memory_per_gpu_bytes
     assert 0 < mem["total"] <= mem["capacity"], "memory never exceeds capacity"
-    parts = ("params", "grads", "optimizer", "activations", "buffers", "reserve")
+    parts = ("params", "grads", "optimizer", "activations", "loss_backward", "buffers", "reserve")
     assert abs(sum(mem[k] for k in parts) - mem["total"]) <= 1e-9 * mem["total"]
     assert 0 < p.mfu < 1
     for alt in p.alternatives:

@@ -98,15 +98,15 @@ def _dtypes(device: torch.device) -> list[tuple[str, torch.dtype]]:
 
 def measure_matmul(grid: Grid, device: torch.device) -> dict[str, list[list[float]]]:
     """dtype -> [(m, n, k, achieved FLOP/s)] over square sizes and (s, h, 4h)-like rectangles."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)  # drawn on the device: no host randn, no copy
     shapes = [(s, s, s) for s in grid.matmul_sizes]
     shapes += [(2 * s, 4 * s, s) for s in grid.matmul_sizes[:-1]]
     out: dict[str, list[list[float]]] = {}
     for name, dtype in _dtypes(device):
         pts: list[list[float]] = []
         for m, n, k in shapes:
-            a = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
-            b = torch.randn(k, n, generator=gen).to(device=device, dtype=dtype)
+            a = torch.randn(m, k, generator=gen, device=device, dtype=dtype)
+            b = torch.randn(k, n, generator=gen, device=device, dtype=dtype)
             # Enough matmuls queued per timing that a fast device's launch and sync don't count.
             queued = int(grid.flops_per_timing / (2.0 * m * n * k)) if device.type == "cuda" else 1
             inner = max(1, min(64, queued))
@@ -120,13 +120,14 @@ def measure_matmul(grid: Grid, device: torch.device) -> dict[str, list[list[floa
 def measure_attention(grid: Grid, device: torch.device, dtype: torch.dtype) -> list[list[float]]:
     """[(seq, head_dim, achieved FLOP/s of causal SDPA forward + backward)]: the work done, 12*s*d per
     query per head (PaLM, Appendix B) halved for the causal mask (Dao 2023, FlashAttention-2, Sec. 4.1)."""
-    gen = torch.Generator(device="cpu").manual_seed(1)
+    gen = torch.Generator(device=device).manual_seed(1)
     heads = grid.attention_heads
     pts: list[list[float]] = []
     for hd in grid.head_dims:
         for s in grid.attention_seqs:
             shape = (1, heads, s, hd)
-            q, k, v = (torch.randn(shape, generator=gen).to(device, dtype).requires_grad_() for _ in range(3))
+            q, k, v = (torch.randn(shape, generator=gen, device=device, dtype=dtype).requires_grad_()
+                       for _ in range(3))
 
             def step(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> None:
                 F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
@@ -210,8 +211,9 @@ def measure_op_overhead(device: torch.device, repeats: int, ops: int = 64, budge
 def measure_optimizer(device: torch.device, repeats: int, budget_s: float = 0.0) -> tuple[float, float]:
     """(seconds per parameter tensor, seconds per parameter) of the engine's optimizer step (global-norm
     clip + AdamW + zero_grad) as it runs here: the fixed part from the slope between 16 and 64 tiny
-    tensors, the per-element part from 4 tensors of 2^18. Where no fused kernel applies (CPU), AdamW
-    loops over tensors in Python and makes ~10 passes over each; the fused CUDA kernel makes one."""
+    tensors, the per-element part from 4 tensors of 2^18 (on a GPU, the slope from 2^22 to 2^24).
+    Where no fused kernel applies (CPU), AdamW loops over tensors in Python and makes ~10 passes over
+    each; the fused CUDA kernel makes one."""
     from torch import nn
 
     from training.parallel.optim import clip_grad_norm, use_fused_adamw
@@ -232,6 +234,11 @@ def measure_optimizer(device: torch.device, repeats: int, budget_s: float = 0.0)
         return _best_time(step, device, repeats, budget_s)
 
     per_tensor = max(0.0, (per_step(64, 64) - per_step(16, 64)) / 48)
+    if device.type == "cuda":
+        # A GPU steps 2^18 elements in microseconds, under its launch and clip costs: the per-element
+        # part is the slope between 4 tensors of 2^22 and of 2^24 (64M parameters, 1 GiB of state).
+        small, big = 1 << 22, 1 << 24
+        return per_tensor, max(0.0, (per_step(4, big) - per_step(4, small)) / (4 * (big - small)))
     big = 1 << 18
     per_param = max(0.0, (per_step(4, big) - 4 * per_tensor) / (4 * big))
     return per_tensor, per_param
