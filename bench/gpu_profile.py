@@ -41,10 +41,20 @@ def _device_total(avg: Any) -> float:
     return float(us) / 1e6
 
 
+OPERATOR_PREFIXES = ("aten::", "c10d::", "autograd::", "torch::", "Optimizer.", "ProfilerStep")
+
+
+def _is_operator(key: str) -> bool:
+    return key.startswith(OPERATOR_PREFIXES)
+
+
 def summarize(events: Any, label: str, wall_s: float, top: int = 15) -> StepProfile:
     """A StepProfile from `profiler.key_averages()`: kernels are the entries with GPU self time."""
     out = StepProfile(label, wall_s=wall_s)
-    kernels = [(a.key, int(a.count), _device_self(a)) for a in events if _device_self(a) > 0]
+    # torch 2.11 also gives some operators (aten::mm, Optimizer.step#...) the GPU self time of their
+    # kernels: only entries that are not operators or annotations count, else the time counts twice.
+    kernels = [(a.key, int(a.count), _device_self(a)) for a in events
+               if _device_self(a) > 0 and not _is_operator(a.key)]
     out.gpu_busy_s = sum(t for *_, t in kernels)
     out.kernels = sum(c for _, c, _ in kernels)
     out.top_kernels = sorted(kernels, key=lambda k: -k[2])[:top]

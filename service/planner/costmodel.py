@@ -324,10 +324,8 @@ class Micro:
         )
         self.act_emb = 2.0 * tokens * h / (tp if sp else 1)  # embedding output (bf16)
         self.logits = 6.0 * tokens * m.vocab / tp  # bf16 logits + fp32 log-softmax for the loss
-        # The loss's backward, with every activation still held: the fp32 gradients of the log-softmax
-        # (nll_loss backward) and of the logits (log_softmax backward) live at once, 8 bytes per token
-        # and vocabulary entry; the loss is not vocabulary-parallel (training/model/transformer.py).
-        # Measured on an H200 (docs/benchmarks.md): the allocator's peak exceeds the saved tensors by this.
+        # Loss backward, all activations held: fp32 gradients of the log-softmax and of the logits at
+        # once, not vocabulary-parallel (docs/planner.md; measured on an H200, docs/benchmarks.md).
         self.loss_grad = 8.0 * tokens * m.vocab
         if cp == 1 and not m.is_moe and env.train.attention == "flash":  # the engine's own saved tensors
             self.act_layer, self.act_work, self.act_emb, self.logits = engine_activation_terms(
@@ -419,9 +417,8 @@ def combine(stage: Stage, micro: Micro, schedule: str, m: int) -> Combo:
     else:
         infl_last = float(m) if schedule == "gpipe" else 1.0
         act_last = stage.layers * micro.act_layer * infl_last + micro.logits + micro.act_work
-    loss_first = micro.loss_grad if stage.same_rank else 0.0
-    return Combo(m, schedule, t_mb, compute_mb, bubble, core, act_first, act_last, loss_first,
-                 micro.loss_grad)
+    g = micro.loss_grad
+    return Combo(m, schedule, t_mb, compute_mb, bubble, core, act_first, act_last, g * stage.same_rank, g)
 
 
 def dp_exposed(stage: Stage, combo: Combo, z: int) -> float:

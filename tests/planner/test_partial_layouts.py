@@ -122,9 +122,7 @@ def test_auto_is_the_search() -> None:
         ({"tp": 4, "pp": 2}, "layout.tp (4) must divide model.kv_heads (2)", ("pp",)),
         ({"tp": 2, "pp": 2, "dp": 4}, "tp x pp x dp = 16 must divide cluster.num_gpus (8)", ("tp", "pp")),
         ({"pp": 2, "num_microbatches": 1, "schedule": "1f1b"}, "must be >= pp (2)", ("pp", "schedule")),
-        # (tp=1, dp=8 holds no layout that fits 3.2 MiB once the loss backward's transient is counted)
-        ({"sequence_parallel": True, "tp": 1, "dp": 8}, "sequence_parallel needs tp > 1",
-         ("sequence_parallel",)),
+        ({"sequence_parallel": True, "tp": 1, "dp": 8}, "sequence_parallel needs tp > 1", ("tp", "dp")),
     ],
 )
 def test_an_impossible_combination_names_the_reason_and_the_nearest_layout(
