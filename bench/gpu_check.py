@@ -21,6 +21,7 @@ Everything goes to one markdown file. Without CUDA it exits 2 with a one-line me
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import os
@@ -212,7 +213,7 @@ def calibrate_gpu() -> dict[str, Any] | None:
     from training.calibration import Grid, calibrate
 
     grid = Grid.for_device(torch.device("cuda", torch.cuda.current_device()))
-    return calibrate("gpu-check", Grid(**{**grid.__dict__, "collectives": False}))
+    return calibrate("gpu-check", dataclasses.replace(grid, collectives=False))
 
 
 def predict(rows: Sequence[LayoutResult], gpu_type: str, calibration: dict[str, Any] | None) -> list[str]:
@@ -246,18 +247,24 @@ def predict(rows: Sequence[LayoutResult], gpu_type: str, calibration: dict[str, 
     return notes
 
 
+def run_config(r: LayoutResult, steps: int, compile_on: bool = False, model: Any = None) -> Any:
+    """The engine's RunConfig of one layout (default model: `model_1b`), bf16 with fp32 masters."""
+    from training.config.run import OptimConfig, RunConfig
+
+    return RunConfig(model=model or model_1b(), layout=r.layout(), steps=steps, seed=0,
+                     optim=OptimConfig(lr=3e-4), precision="bf16_fp32_adam", compile=compile_on)
+
+
 def measure(r: LayoutResult, ctx: Any, peak_flops: float, steps: int, compile_on: bool,
             model: Any = None) -> None:
     """Train `steps` steps of one layout (default model: `model_1b`); the median step after two warm-up
     steps and, on CUDA, the allocator's peak. Runs on CPU too (the tests use a small model)."""
     import torch
 
-    from training.config.run import OptimConfig, RunConfig
     from training.train import Trainer
 
     cuda = ctx.device.type == "cuda"
-    cfg = RunConfig(model=model or model_1b(), layout=r.layout(), steps=steps + 2, seed=0,
-                    optim=OptimConfig(lr=3e-4), precision="bf16_fp32_adam", compile=compile_on)
+    cfg = run_config(r, steps + 2, compile_on, model)
     trainer = None
     if cuda:
         torch.cuda.empty_cache()

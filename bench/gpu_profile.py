@@ -26,19 +26,19 @@ class StepProfile:
     error: str | None = None
 
 
+def _device_us(avg: Any, kind: str) -> float:
+    """Seconds of GPU time of an entry of key_averages, `kind` "self_" or "" (torch renamed cuda_* to
+    device_*)."""
+    us = getattr(avg, f"{kind}device_time_total", None)
+    return float(us if us is not None else getattr(avg, f"{kind}cuda_time_total", 0.0)) / 1e6
+
+
 def _device_self(avg: Any) -> float:
-    """Seconds of GPU time an entry of key_averages spends itself (torch renamed cuda_* to device_*)."""
-    us = getattr(avg, "self_device_time_total", None)
-    if us is None:
-        us = getattr(avg, "self_cuda_time_total", 0.0)
-    return float(us) / 1e6
+    return _device_us(avg, "self_")
 
 
 def _device_total(avg: Any) -> float:
-    us = getattr(avg, "device_time_total", None)
-    if us is None:
-        us = getattr(avg, "cuda_time_total", 0.0)
-    return float(us) / 1e6
+    return _device_us(avg, "")
 
 
 OPERATOR_PREFIXES = ("aten::", "c10d::", "autograd::", "torch::", "Optimizer.", "ProfilerStep")
@@ -69,12 +69,10 @@ def profile_layout(r: Any, ctx: Any, model: Any = None, warmup: int = 2) -> Step
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.gpu_check import model_1b
-    from training.config.run import OptimConfig, RunConfig
+    from bench.gpu_check import run_config
     from training.train import Trainer
 
-    cfg = RunConfig(model=model or model_1b(), layout=r.layout(), steps=warmup + 1, seed=0,
-                    optim=OptimConfig(lr=3e-4), precision="bf16_fp32_adam")
+    cfg = run_config(r, warmup + 1, model=model)
     cuda = ctx.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

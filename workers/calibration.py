@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -19,7 +20,7 @@ def calibrate_here(node_type: str, *, quick: bool = False, collectives: bool = T
 
     grid = Grid.quick() if quick else Grid.for_device(default_device())
     if not collectives:
-        grid = Grid(**{**grid.__dict__, "collectives": False})
+        grid = dataclasses.replace(grid, collectives=False)
     return calibrate(node_type, grid)
 
 
