@@ -52,11 +52,13 @@ OVERLAP_SLOWDOWN = GpuType.overlap_slowdown
 UNFUSED_SCORE_BYTES = 24.0
 
 
+def _plus(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    return a[0] + b[0], a[1] + b[1]  # (bytes, seconds) of two collectives
+
+
 @dataclass(frozen=True, slots=True)
 class Tier:
-    name: (
-        str  # "intra-node" (NVLink), "inter-node" (InfiniBand), "inter-rack" (InfiniBand / oversubscription)
-    )
+    name: str  # "intra-node" (NVLink), "inter-node" (InfiniBand), "inter-rack" (IB / oversubscription)
     bw: float
     latency: float
 
@@ -66,8 +68,7 @@ class Env:
 
     def __init__(self, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec) -> None:
         self.model, self.train, self.cluster = model, train, cluster
-        gpu: GpuType = cluster.gpu
-        self.gpu = gpu
+        self.gpu = gpu = cluster.gpu
         self.counts: ParamCounts = param_counts(model)
         # Achieved speed by shape: the cluster's measured profile, else the catalogued curve (efficiency.py).
         self.profile = cluster.profile
@@ -87,9 +88,7 @@ class Env:
             rc: recompute_flops_per_token_layer(model, self.s, rc) for rc in ("none", "selective", "full")
         }
         self.ring_recompute_flops = ring_recompute_flops_per_token_layer(model, self.s)
-        self.is_moe = model.is_moe
-        self.reserve = float(gpu.reserve_bytes)
-        self.capacity = float(gpu.hbm_bytes)
+        self.is_moe, self.reserve, self.capacity = model.is_moe, 1.0 * gpu.reserve_bytes, 1.0 * gpu.hbm_bytes
         self.node_tier = Tier("intra-node", *self.eff.link(gpu.nvlink_bw, gpu.intra_latency_s))
         self.rack_tier = Tier("inter-node", gpu.internode_bw, gpu.inter_latency_s)
         self.cross_tier = Tier("inter-rack", gpu.internode_bw / cluster.oversubscription, gpu.inter_latency_s)
@@ -98,8 +97,7 @@ class Env:
         """(matmuls, attention core, elementwise, LM head) seconds of one layer's forward + backward for
         `tokens` tokens on one of `tp` ranks, each matmul timed from its (m, n, k) (efficiency.py)."""
         key = (tokens, tp, sp)
-        hit = self._layer_cache.get(key)
-        if hit is not None:
+        if (hit := self._layer_cache.get(key)) is not None:
             return hit
         m, eff = self.model, self.eff
         h, hd, ffn = m.hidden, m.head_dim, (m.expert_ffn_dim if m.is_moe else m.ffn_dim)
@@ -215,17 +213,17 @@ class Stage:
         self.state_first: list[tuple[float, float, float]] = []
         self.state_last: list[tuple[float, float, float]] = []
         self.buffers: list[float] = []
-        shadow = fam.shadowed
+        shadow, pipe = fam.shadowed, fam.pp > 1  # pipe: pipelining drives FSDP2 (model_state_bytes)
         for z in range(4):
             d = fam.d_shard if z >= 2 else fam.d  # FSDP2 (ZeRO-2/3) shards within one HSDP group
-            ed = model_state_bytes(expert, z, fam.d_e, bpp, fsdp2=True)
-            fd = model_state_bytes(first_dense, z, d, bpp, fsdp2=True, shadow=shadow)
-            ld = model_state_bytes(last_dense, z, d, bpp, fsdp2=True, shadow=shadow)
+            ed = model_state_bytes(expert, z, fam.d_e, bpp, fsdp2=True, pipelined=pipe)
+            fd = model_state_bytes(first_dense, z, d, bpp, fsdp2=True, shadow=shadow, pipelined=pipe)
+            ld = model_state_bytes(last_dense, z, d, bpp, fsdp2=True, shadow=shadow, pipelined=pipe)
             self.state_first.append((fd[0] + ed[0], fd[1] + ed[1], fd[2] + ed[2]))
             self.state_last.append((ld[0] + ed[0], ld[1] + ed[1], ld[2] + ed[2]))
             # ZeRO-3 gathers a layer before use and prefetches the next one (Zhao et al. 2023, FSDP).
             layer = fam.p_layer_dense + fam.p_layer_expert
-            self.buffers.append(2 * bpp[0] * layer if z == 3 and fam.d_shard > 1 else 0.0)
+            self.buffers.append(2 * bpp[0] * layer if z == 3 and fam.d_shard > 1 and not pipe else 0.0)
         # DP traffic of the busier rank, one collective per layer (bucket); dense and expert groups in turn.
         big = max(first_dense, last_dense)
         once = [0.0] * 4
@@ -253,11 +251,12 @@ class Stage:
             # ZeRO-0: all-reduce once; ZeRO-1: reduce-scatter + all-gather once (same bytes, lecture 18:47);
             # ZeRO-2: reduce-scatter every micro-batch (grads stay sharded) + all-gather once;
             # ZeRO-3: all-gather forward and backward + reduce-scatter, every micro-batch (3x params).
+            # Under PP the reduce-scatter runs once, after the last micro-batch (model_state_bytes).
+            ag2 = (2 * ag[0], 2 * ag[1])
             per_zero = (  # (once per step, every micro-batch) for ZeRO 0, 1, 2, 3
-                (ar, None),
-                ((rs[0] + ag[0], rs[1] + ag[1]), None),
-                (ag, rs32),
-                (None, (2 * ag[0] + rs32[0], 2 * ag[1] + rs32[1])),
+                (ar, None), (_plus(rs, ag), None),
+                (_plus(ag, rs32), None) if pipe else (ag, rs32),
+                (rs32, ag2) if pipe else (None, _plus(ag2, rs32)),
             )
             for z, (o, p) in enumerate(per_zero):
                 if o is not None:
@@ -268,7 +267,7 @@ class Stage:
                     per_mb[z] += p[1]
         units = self.layers + 1  # a unit per block plus the root (embedding, head; training/parallel/fsdp.py)
         unit = env.eff.fsdp_unit_time(bpp[0] * big / units, fam.shard_tier.bw) if fam.d_shard > 1 else None
-        if unit is not None and fam.shard_tier is env.node_tier and expert <= 0:
+        if unit is not None and fam.shard_tier is env.node_tier and expert <= 0 and not pipe:
             # Measured on this node type as FSDP2 issues it (training/calibration/engine.py): per unit of
             # the mean unit's size, its all-gathers and reduce-scatter with their copies and hooks.
             per_mb[3] = units * unit
@@ -425,16 +424,17 @@ def dp_exposed(stage: Stage, combo: Combo, z: int) -> float:
     """DP time not hidden behind compute (Zhao et al. 2023, FSDP overlap).
 
     ZeRO-0/1 communicate once per step, overlapped with the last micro-batch's backward and the next
-    step's first forward; ZeRO-2/3 communicate every micro-batch, overlapped with all of them. The last
-    bucket (about one layer's share) can never overlap, and what overlaps slows compute by
-    OVERLAP_SLOWDOWN. HSDP's all-reduce across the replicas is ZeRO-0's all-reduce of a gradient shard:
-    it needs the last micro-batch's gradients (the engine defers only that all-reduce,
-    training/parallel/optim.py), so, like ZeRO-0's, only one micro-batch's compute can hide it.
+    step's first forward; ZeRO-2/3 every micro-batch, overlapped with all of them. The last bucket
+    (about one layer's share) never overlaps, and what overlaps slows compute by OVERLAP_SLOWDOWN.
+    HSDP's all-reduce across the replicas needs the last micro-batch's gradients (the engine defers
+    only it, training/parallel/optim.py): one micro-batch's compute can hide it. Under PP, ZeRO-2/3's
+    once-per-step collectives and HSDP's follow the last backward (pipelining's REDUCE_GRAD): exposed.
     """
-    hsdp = stage.hsdp_once[z]
-    total = stage.dp_once[z] + hsdp + combo.m * stage.dp_per_mb[z]
+    hsdp, once = stage.hsdp_once[z], stage.dp_once[z]
+    total = once + hsdp + combo.m * stage.dp_per_mb[z]
     window = combo.compute_mb * (combo.m if z >= 2 else 1)
-    exposed = max(total - window, total / stage.layers, hsdp - combo.compute_mb)
+    tail = once + hsdp if z >= 2 and stage.fam.pp > 1 else hsdp - combo.compute_mb
+    exposed = max(total - window, total / stage.layers, tail)
     return exposed + stage.fam.env.gpu.overlap_slowdown * (total - exposed)
 
 

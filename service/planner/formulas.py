@@ -80,7 +80,7 @@ def ep_all_to_all_bytes_per_layer(tokens: float, top_k: int, h: int, ep: int, ac
 
 def model_state_bytes(
     params: float, zero_stage: int, dp: int, bytes_per_param: tuple[int, int, int], fsdp2: bool = False,
-    shadow: bool = False,
+    shadow: bool = False, pipelined: bool = False,
 ) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per GPU for `params` parameters on this GPU before DP sharding.
 
@@ -93,14 +93,19 @@ def model_state_bytes(
     the moments), gradients are reduce-scattered into fp32 shards, and stage 2 (reshard_after_forward
     =False) also holds the gathered parameters, in the compute dtype, from forward to backward.
     `shadow`: stage 1 with shadow shards (training.parallel.zero): a second shard of the optimizer
-    state, its DP successor's. Measured per rank by training.parallel.memory
-    (tests/training/test_memory_accounting.py).
+    state, its DP successor's. `pipelined`: stages 2 and 3 under pipeline parallelism, where
+    torch.distributed.pipelining drives FSDP2 itself (stage.py, backward_maybe_with_nosync and
+    perform_reduce_grad): every backward runs without resharding and without gradient sync, so the
+    stage's parameters stay gathered and its gradients accumulate unsharded in the reduce dtype
+    (fp32) until one reduce-scatter after the last micro-batch. Measured per rank by
+    training.parallel.memory (tests/training/test_memory_accounting.py).
     """
     bp, bg, bo = bytes_per_param
     if fsdp2 and zero_stage >= 2 and dp > 1:
         master = 4 if bp < 4 else 0  # the fp32 master inside `bo` is the sharded parameter itself
-        gathered = bp * params if zero_stage == 2 else 0.0
-        return gathered + 4 * params / dp, 4 * params / dp, (bo - master) * params / dp
+        gathered = bp * params if zero_stage == 2 or pipelined else 0.0
+        grads = 4 * params if pipelined else 4 * params / dp
+        return gathered + 4 * params / dp, grads, (bo - master) * params / dp
     p = bp * params / (dp if zero_stage >= 3 else 1)
     g = bg * params / (dp if zero_stage >= 2 else 1)
     o = bo * params / (dp if zero_stage >= 1 else 1)

@@ -168,19 +168,43 @@ def test_hsdp_refuses_nothing_new() -> None:
 
 
 def test_hsdp_all_reduce_hides_behind_one_micro_batch() -> None:
-    """Like ZeRO-0's all-reduce, HSDP's needs the last micro-batch's gradients: 16 micro-batches of
-    compute do not hide it (llama3-70b, 32 replicas of 2 shards across racks)."""
+    """Like ZeRO-0's all-reduce, HSDP's needs the last micro-batch's gradients: 4 micro-batches of
+    compute do not hide it (llama3-70b, 128 replicas of 2 shards across racks, no pipeline)."""
     env = Env(get_preset("llama3-70b"), TrainSpec(1024, 2048), ClusterSpec("H100-80GB", 1024))
-    lay = Layout(tp=4, pp=4, dp=64, zero_stage=2, micro_batch_size=1, num_microbatches=16,
-                 schedule="interleaved_1f1b", virtual_stages=4, sequence_parallel=True, dp_replicate=32)
-    stage = Stage(Family(env, 4, 1, 4, 64, 1, 32), 4, False)
-    combo = combine(stage, Micro(stage.fam, 1, True, "none"), lay.schedule, 16)
-    total = stage.dp_once[2] + stage.hsdp_once[2] + 16 * stage.dp_per_mb[2]
-    assert stage.hsdp_once[2] - combo.compute_mb > total - 16 * combo.compute_mb  # the bound binds
+    lay = Layout(tp=4, dp=256, zero_stage=2, micro_batch_size=1, num_microbatches=4,
+                 sequence_parallel=True, dp_replicate=128)
+    stage = Stage(Family(env, 4, 1, 1, 256, 1, 128), 1, False)
+    combo = combine(stage, Micro(stage.fam, 1, True, "none"), lay.schedule, 4)
+    total = stage.dp_once[2] + stage.hsdp_once[2] + 4 * stage.dp_per_mb[2]
+    assert stage.hsdp_once[2] - combo.compute_mb > total - 4 * combo.compute_mb  # the bound binds
     exposed = stage.hsdp_once[2] - combo.compute_mb
     expected = exposed + env.gpu.overlap_slowdown * (total - exposed)
     assert dp_exposed(stage, combo, 2) == pytest.approx(expected, rel=1e-12)
     assert detail_for(env, lay).time_s["dp_exposed"] == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_under_pp_the_once_per_step_collectives_are_exposed(zero: int) -> None:
+    """Under PP, torch.distributed.pipelining reduce-scatters FSDP2's gradients once, after the last
+    backward (REDUCE_GRAD), and HSDP's all-reduce follows it: nothing computes behind them. The
+    micro-batches' own traffic (ZeRO-3's all-gathers) keeps its overlap."""
+    env = Env(get_preset("llama3-70b"), TrainSpec(1024, 2048), ClusterSpec("H100-80GB", 1024))
+    lay = Layout(tp=4, pp=4, dp=64, zero_stage=zero, micro_batch_size=1, num_microbatches=16,
+                 schedule="interleaved_1f1b", virtual_stages=4, sequence_parallel=True, dp_replicate=32)
+    stage = Stage(Family(env, 4, 1, 4, 64, 1, 32), 4, False)
+    combo = combine(stage, Micro(stage.fam, 1, True, "none"), lay.schedule, 16)
+    tail = stage.dp_once[zero] + stage.hsdp_once[zero]
+    total = tail + 16 * stage.dp_per_mb[zero]
+    assert stage.dp_once[zero] > 0 and tail > total - 16 * combo.compute_mb
+    expected = tail + env.gpu.overlap_slowdown * (total - tail)
+    assert dp_exposed(stage, combo, zero) == pytest.approx(expected, rel=1e-12)
+    assert detail_for(env, lay).time_s["dp_exposed"] == pytest.approx(expected, rel=1e-12)
+    # Per micro-batch: nothing at ZeRO-2; at ZeRO-3 the all-gathers of forward and backward (bf16),
+    # whose bytes equal the one fp32 reduce-scatter's (same ring, twice the bytes per element).
+    assert stage.dp_per_mb[2] == 0.0
+    assert stage.dp_bytes_per_mb[3] == pytest.approx(stage.dp_bytes_once[3], rel=1e-12)
+    flat = Stage(Family(env, 4, 1, 1, 256, 1, 128), 1, False)  # no pipeline: reduce-scatter per micro-batch
+    assert flat.dp_bytes_once[3] == 0.0 and flat.dp_per_mb[2] > 0
 
 
 def test_partial_layout_keeps_dp_replicate() -> None:

@@ -14,12 +14,14 @@ is reported as well, as `peak_allocated` (everything: workspace, buckets, tempor
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from training.parallel.precision import master_weights_of
 from training.parallel.wrapping import local_tensor
@@ -114,6 +116,9 @@ class SavedTensorMeter:
         # Parameters gathered for compute (FSDP2's unsharded parameters), seen after each forward.
         self.persistent = {k[0] for p in _params(parts) if (k := _storage_key(p)) is not None}
         self.gathered_bytes = 0
+        # Under pipeline parallelism, FSDP2's unsharded gradients just before the stage's one
+        # reduce-scatter (pipelining's REDUCE_GRAD; see service.planner.formulas.model_state_bytes).
+        self.unsharded_grad_bytes = 0
 
     def _after_forward(self, *_: Any) -> None:
         keys = {k for p in _params(self.parts) if (k := _storage_key(p)) is not None}
@@ -150,11 +155,25 @@ class SavedTensorMeter:
             self.current -= entry[1]
             del self.live[ptr]
 
+    def before_reduce_grad(self) -> None:
+        """FSDP2 under a pipeline schedule: every backward ran without resharding or gradient sync,
+        so the gathered parameters and the unsharded fp32 gradients are all held here."""
+        held = [fp for part in self.parts for fp in _fsdp_params(part) if hasattr(fp, "_unsharded_param")]
+        params = [fp._unsharded_param for fp in held]  # noqa: SLF001 - FSDP2 has no public view
+        self.gathered_bytes = max(self.gathered_bytes, storage_bytes(params))
+        grads = [fp.unsharded_accumulated_grad if fp.unsharded_accumulated_grad is not None else p.grad
+                 for fp, p in zip(held, params, strict=True)]
+        self.unsharded_grad_bytes = max(self.unsharded_grad_bytes, storage_bytes(grads))
+
     @contextlib.contextmanager
-    def track(self, device: torch.device) -> Iterator[SavedTensorMeter]:
+    def track(self, device: torch.device, stages: Sequence[Any] = ()) -> Iterator[SavedTensorMeter]:
+        """Meter the step run inside; `stages`: the pipeline's stages (PipelineStage), whose
+        gradient reduction is sampled first."""
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         handles = [part.register_forward_hook(self._after_forward) for part in self.parts]
+        for stage in stages:
+            stage.perform_reduce_grad = functools.partial(_sampled, self, stage.perform_reduce_grad)
         try:
             with (torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack) if self.saved_hooks
                   else contextlib.nullcontext()):
@@ -162,6 +181,23 @@ class SavedTensorMeter:
         finally:
             for handle in handles:
                 handle.remove()
+            for stage in stages:
+                del stage.perform_reduce_grad  # the class's method again
+
+
+def _sampled(meter: SavedTensorMeter, reduce_grad: Any, *args: Any, **kwargs: Any) -> Any:
+    meter.before_reduce_grad()
+    return reduce_grad(*args, **kwargs)
+
+
+def _fsdp_params(module: nn.Module) -> list[Any]:
+    """FSDP2's per-parameter state (FSDPParam) of every fully_shard'ed module in `module`."""
+    out: list[Any] = []
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            group = fully_shard.state(m)._fsdp_param_group  # noqa: SLF001 - FSDP2 has no public view
+            out.extend(group.fsdp_params if group is not None else ())
+    return out
 
 
 def account(parts: Sequence[nn.Module], optimizers: Sequence[Any], grads: int, meter: SavedTensorMeter,
@@ -169,9 +205,12 @@ def account(parts: Sequence[nn.Module], optimizers: Sequence[Any], grads: int, m
     """The account after the first optimizer step (AdamW allocates its state lazily in it); `grads`
     was measured before the step (zero_grad frees them). ZeRO-2 (FSDP2 without resharding after
     forward) holds every gathered parameter from forward to backward: they count as parameters;
-    ZeRO-3 gathers one block at a time (the plan's `buffers`)."""
+    ZeRO-3 gathers one block at a time (the plan's `buffers`), except under a pipeline, where the
+    stage's parameters stay gathered and its gradients unsharded until the reduction."""
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    gathered = meter.gathered_bytes if zero_stage == 2 else 0
+    pipelined = meter.unsharded_grad_bytes > 0
+    gathered = meter.gathered_bytes if zero_stage == 2 or pipelined else 0
+    grads = max(grads, meter.unsharded_grad_bytes)
     return MemoryAccount(params=storage_bytes(_params(parts)) + gathered, grads=grads,
                          optimizer=optimizer_bytes(optimizers),
                          activations=meter.peak if meter.saved_hooks else None,
