@@ -156,17 +156,33 @@ def plan_layout(
     return result
 
 
-def _constrained(env: Env, fields: Mapping[str, Any], zs: Sequence[int], top_k: int) -> Plan | None:
-    """The fastest plan that keeps every field in `fields`, or None."""
+def _search(env: Env, fields: Mapping[str, Any], zs: Sequence[int]) -> tuple[CandidateSearch, Sequence[int]]:
+    """The search over every layout that keeps every field in `fields`, run."""
     if "zero_stage" in fields:
         zs = (fields["zero_stage"],)
     schedule = fields.get("schedule", "none")
-    schedules = DEFAULT_SCHEDULES if schedule == "none" else (schedule,)
-    search = CandidateSearch(env, zs, schedules, fixed=fields)
+    search = CandidateSearch(env, zs, DEFAULT_SCHEDULES if schedule == "none" else (schedule,), fixed=fields)
     search.run()
+    return search, zs
+
+
+def _constrained(env: Env, fields: Mapping[str, Any], zs: Sequence[int], top_k: int) -> Plan | None:
+    """The fastest plan that keeps every field in `fields`, or None."""
+    search, zs = _search(env, fields, zs)
     if search.best is None:
         return None
     return plan_from_search(env, search, zs, top_k)
+
+
+def _too_big(env: Env, fields: Mapping[str, Any]) -> str | None:
+    """The leanest layout that keeps every given field and its memory, when there are such layouts
+    and none fits; else None."""
+    search, _ = _search(env, fields, (0, 1, 2, 3))
+    if not search.fam_leanest:
+        return None
+    lean, desc = min(search.fam_leanest.values())
+    return (f"{desc} needs {fmt_bytes(lean)} > {fmt_bytes(env.capacity)} per {env.gpu.name} GPU "
+            "(the leanest layout that keeps them)")
 
 
 def _nearest(env: Env, fields: dict[str, Any], zs: Sequence[int]) -> tuple[Plan | None, tuple[str, ...]]:
@@ -248,8 +264,8 @@ def _why_not(env: Env, fields: dict[str, Any], nearest: Plan | None, gpus_from: 
             check_layout_for_model(env.model, layout)
         except LayoutError as e:
             return str(e)
-    if layout is None:
-        return str(structure)
+    if layout is None:  # the nearest layout's other degrees break a rule: does memory rule them out?
+        return _too_big(env, fields) or str(structure)
     error = _runnable_error(env, layout, gpus_from)
     if error is not None:
         return error
