@@ -5,6 +5,7 @@ that dies is replaced without the counters going backwards, and SIGTERM stops th
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import re
 import signal
@@ -20,7 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from service.cli import app as cli
-from service.runtime import Runtime, ServiceStartError, listening_socket
+from service.runtime import Runtime, ServiceStartError, listening_socket, worker_app
 from service.settings import Settings
 from tests.api.specs import tiny
 from training.parallel.dist import free_port
@@ -189,3 +190,21 @@ def test_a_two_worker_api_serves_sums_its_metrics_and_replaces_a_dead_worker(
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert not list(home.glob("lattice-prometheus-*"))  # the next start begins from zero
+
+
+def test_an_api_worker_puts_its_start_up_heap_out_of_the_collectors_reach(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full cyclic collection holds the GIL, and with it the event loop that sheds load, for as
+    long as it scans: after start-up it scans only what requests allocated since (gc.freeze in
+    service.runtime.settle_heap), not the imports, the app and its caches."""
+    monkeypatch.setenv("LATTICE_HOME", str(tmp_path))
+    gc.unfreeze()
+    try:
+        app = worker_app(Settings())
+        assert gc.get_freeze_count() > 10_000  # the imports and the app: tens of thousands of objects
+        assert not any(obj is app for obj in gc.get_objects())  # the app is no longer scanned
+        fresh = [app]  # allocated after the freeze: tracked as usual
+        assert any(obj is fresh for obj in gc.get_objects())
+    finally:
+        gc.unfreeze()
