@@ -175,6 +175,7 @@ class Runtime:
         """Serve in this (main) thread until SIGINT/SIGTERM; uvicorn handles the signals. Role
         `scheduler` has no HTTP: it waits for the signal while its threads schedule; role `api` with
         several workers supervises them until the signal."""
+        settle_heap()
         if self.with_http and self.workers > 1:
             self._serve_workers()
             return
@@ -188,7 +189,6 @@ class Runtime:
             return
         port = self.settings.port if self.with_http else self.settings.scheduler_port
         self._server = self._server_for(self.settings.host, port or self.settings.port)
-        settle_heap()
         self._server.run()
 
     def _serve_workers(self) -> None:
