@@ -76,7 +76,10 @@ class GlooLinks:
                 if state == _LISTEN and inode in mine and inode not in self._before}
 
     def record(self) -> None:
-        """Every rank's gloo listening ports (a collective over the world: every rank calls it)."""
+        """Every rank's gloo listening ports (a collective over the world: every rank calls it).
+        A world of one has no peers to free: nothing to record."""
+        if dist.get_world_size() == 1:
+            return
         self.mine = self.listening_ports()
         gathered: list[set[int] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self.mine)
