@@ -253,13 +253,12 @@ class Trainer:
             self.check_local_grads(step, rerun)
             timer.mark("integrity")
 
-        # The first step's memory account; with a pipeline the second's (the first also runs the
-        # schedule's one-time shape inference).
+        # The first step's memory account; a pipeline's second (the first infers the stages' shapes).
         self.steps_run += 0 if rerun else 1
         due = self.memory is None and not rerun and self.steps_run == (1 if self.pipeline is None else 2)
         meter = SavedTensorMeter(self.parts, saved_hooks=not self.cfg.compile) if due else None
-        stages = self.pipeline.stages if self.pipeline is not None else ()
-        with meter.track(self.ctx.device, stages) if meter is not None else contextlib.nullcontext():
+        with (meter.track(self.ctx.device, self.pipeline.stages if self.pipeline is not None else ())
+              if meter is not None else contextlib.nullcontext()):
             local_loss = self.forward_backward(inputs, targets, before_sync=before_sync)
         grads = grad_bytes(self.parts) if meter is not None else 0  # zero_grad frees them below
         take_gradient_checks(self, step, rerun)

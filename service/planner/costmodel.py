@@ -252,9 +252,8 @@ class Stage:
             # ZeRO-2: reduce-scatter every micro-batch (grads stay sharded) + all-gather once;
             # ZeRO-3: all-gather forward and backward + reduce-scatter, every micro-batch (3x params).
             # Under PP the reduce-scatter runs once, after the last micro-batch (model_state_bytes).
-            ag2 = (2 * ag[0], 2 * ag[1])
-            per_zero = (  # (once per step, every micro-batch) for ZeRO 0, 1, 2, 3
-                (ar, None), (_plus(rs, ag), None),
+            ag2 = _plus(ag, ag)
+            per_zero = ((ar, None), (_plus(rs, ag), None),  # (once per step, every micro-batch), ZeRO 0-3
                 (_plus(ag, rs32), None) if pipe else (ag, rs32),
                 (rs32, ag2) if pipe else (None, _plus(ag2, rs32)),
             )
