@@ -174,11 +174,11 @@ class Runtime:
     def serve_forever(self) -> None:
         """Serve in this (main) thread until SIGINT/SIGTERM; uvicorn handles the signals. Role
         `scheduler` has no HTTP: it waits for the signal while its threads schedule; role `api` with
-        several workers supervises them until the signal."""
-        settle_heap()
+        several workers supervises them until the signal (each worker settles its own heap)."""
         if self.with_http and self.workers > 1:
             self._serve_workers()
             return
+        settle_heap()
         if self.app is None:  # role scheduler without a probe port: no HTTP at all
             import signal
 

@@ -156,7 +156,7 @@ class Family:
     # fmt: off
     __slots__ = ("env", "tp", "cp", "pp", "dp", "ep", "r", "d", "d_e", "d_shard", "tp_tier", "cp_tier",
         "dp_tier", "shard_tier", "pp_tier", "ep_tier", "p_layer_dense", "p_layer_expert", "emb", "head",
-        "shadowed")
+        "shadowed", "pipelined")
     # fmt: on
 
     def __init__(self, env: Env, tp: int, cp: int, pp: int, dp: int, ep: int, r: int = 1) -> None:
@@ -181,6 +181,7 @@ class Family:
         self.head = (c.head if c.head else (c.embed if pp > 1 else 0)) / tp + c.final_norm
         # ZeRO-1 shadow shards where the engine keeps them (fp32, no CP/EP; used at ZeRO-1 only).
         t = env.train
+        self.pipelined = pp > 1  # torch pipelining then drives FSDP2 (formulas.model_state_bytes)
         self.shadowed = (t.shadow_optimizer and self.d > 1
                          and not shadow_conflicts(precision=t.precision, cp=cp, ep=ep))
 
@@ -213,7 +214,7 @@ class Stage:
         self.state_first: list[tuple[float, float, float]] = []
         self.state_last: list[tuple[float, float, float]] = []
         self.buffers: list[float] = []
-        shadow, pipe = fam.shadowed, fam.pp > 1  # pipe: pipelining drives FSDP2 (model_state_bytes)
+        shadow, pipe = fam.shadowed, fam.pipelined
         for z in range(4):
             d = fam.d_shard if z >= 2 else fam.d  # FSDP2 (ZeRO-2/3) shards within one HSDP group
             ed = model_state_bytes(expert, z, fam.d_e, bpp, fsdp2=True, pipelined=pipe)
@@ -426,13 +427,12 @@ def dp_exposed(stage: Stage, combo: Combo, z: int) -> float:
     step's first forward; ZeRO-2/3 every micro-batch, overlapped with all of them. The last bucket
     (about one layer's share) never overlaps, and what overlaps slows compute by OVERLAP_SLOWDOWN.
     HSDP's all-reduce across the replicas needs the last micro-batch's gradients (the engine defers
-    only it, training/parallel/optim.py): one micro-batch's compute can hide it. Under PP, ZeRO-2/3's
-    once-per-step collectives and HSDP's follow the last backward (pipelining's REDUCE_GRAD): exposed.
-    """
+    only it, training/parallel/optim.py): one micro-batch's compute can hide it. Under PP all
+    once-per-step collectives follow the flush (pipelining's REDUCE_GRAD; our DDP's no_grad_sync)."""
     hsdp, once = stage.hsdp_once[z], stage.dp_once[z]
     total = once + hsdp + combo.m * stage.dp_per_mb[z]
     window = combo.compute_mb * (combo.m if z >= 2 else 1)
-    tail = once + hsdp if z >= 2 and stage.fam.pp > 1 else hsdp - combo.compute_mb
+    tail = once + hsdp if stage.fam.pipelined else hsdp - combo.compute_mb
     exposed = max(total - window, total / stage.layers, tail)
     return exposed + stage.fam.env.gpu.overlap_slowdown * (total - exposed)
 

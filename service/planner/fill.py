@@ -147,10 +147,11 @@ def plan_layout(
         result = evaluate(model, train, cluster, layout, compare_with_search=compare_with_search)
         result.given = fields
         return result
-    result = _constrained(env, fields, zs, top_k)
-    if result is None:
+    search, searched = _search(env, fields, zs)
+    if search.best is None:
         nearest, kept = _nearest(env, fields, zs)
-        raise LayoutRefused(_why_not(env, fields, nearest, gpus_from), fields, nearest, kept)
+        raise LayoutRefused(_why_not(env, fields, nearest, gpus_from, search), fields, nearest, kept)
+    result = plan_from_search(env, search, searched, top_k)
     result.reasons = chosen_reasons(env, fields, result.layout) + result.reasons
     result.given = fields
     return result
@@ -174,10 +175,9 @@ def _constrained(env: Env, fields: Mapping[str, Any], zs: Sequence[int], top_k: 
     return plan_from_search(env, search, zs, top_k)
 
 
-def _too_big(env: Env, fields: Mapping[str, Any]) -> str | None:
-    """The leanest layout that keeps every given field and its memory, when there are such layouts
-    and none fits; else None."""
-    search, _ = _search(env, fields, (0, 1, 2, 3))
+def _too_big(env: Env, search: CandidateSearch) -> str | None:
+    """The leanest layout of a search that kept every given field and found none that fits, and its
+    memory; None when the search had no such layout."""
     if not search.fam_leanest:
         return None
     lean, desc = min(search.fam_leanest.values())
@@ -228,10 +228,11 @@ def _runnable_error(env: Env, layout: Layout, gpus_from: str) -> str | None:
     return None
 
 
-def _why_not(env: Env, fields: dict[str, Any], nearest: Plan | None, gpus_from: str) -> str:
+def _why_not(env: Env, fields: dict[str, Any], nearest: Plan | None, gpus_from: str,
+             search: CandidateSearch) -> str:
     """The first rule the given fields break: exact divisibility of their own products, the model's
     rules and the layout's with the given fields put into the nearest layout (so the rule named is
-    one the given values break), memory."""
+    one the given values break), memory. `search` is the failed search that kept every field."""
     merged = _merge(env, nearest.layout.to_dict() if nearest is not None else Layout().to_dict(), fields)
     try:
         layout: Layout | None = Layout(**merged)
@@ -265,7 +266,7 @@ def _why_not(env: Env, fields: dict[str, Any], nearest: Plan | None, gpus_from: 
         except LayoutError as e:
             return str(e)
     if layout is None:  # the nearest layout's other degrees break a rule: does memory rule them out?
-        return _too_big(env, fields) or str(structure)
+        return _too_big(env, search) or str(structure)
     error = _runnable_error(env, layout, gpus_from)
     if error is not None:
         return error
