@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
 from service.settings import Settings
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+_TOKEN = re.compile(r"[\x21-\x7e]+")
+
+
+def api_path(*segments: str) -> str:
+    """`/v1/a/b/...`, each segment escaped: a name given as `a/../b` names no other resource."""
+    return "/v1/" + "/".join(quote(s, safe="") for s in segments)
+
+
+def job_path(job_id: str, *rest: str) -> str:
+    return api_path("jobs", job_id, *rest)
 
 
 class CliError(Exception):
@@ -38,7 +50,13 @@ class Client:
         token = token or settings.token or _read_first_line(settings.token_path)
         if not server.startswith(("http://", "https://")):
             raise CliError(f"server URL must start with http:// or https://, got {server!r}")
-        return cls(server, token)
+        if token is not None and not _TOKEN.fullmatch(token):  # it travels in an HTTP header
+            raise CliError("the API token (--token, LATTICE_TOKEN or the token file) must be printable "
+                           "ASCII without spaces")
+        try:
+            return cls(server, token)
+        except httpx.InvalidURL as e:
+            raise CliError(f"server URL {server!r} is not a valid URL: {e}") from e
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:

@@ -22,7 +22,7 @@ from service.cli.app import (
     print_json,
     print_table,
 )
-from service.cli.client import CliError
+from service.cli.client import CliError, api_path
 
 
 def _gpus(free: int | None, total: int) -> str:
@@ -110,7 +110,7 @@ def cluster_status(ctx: typer.Context, output: OutputOption = Output.table) -> N
 
 
 def _set_cordon(ctx: typer.Context, node: str, action: str) -> None:
-    row = client_for(ctx).request("POST", f"/v1/cluster/nodes/{node}/{action}")
+    row = client_for(ctx).request("POST", api_path("cluster", "nodes", node, action))
     state = "cordoned" if row["cordoned"] else "not cordoned"
     out.print(f"node {row['id']}: {state} (health {row['health']}, "
               f"{'schedulable' if row['schedulable'] else 'not schedulable'})", highlight=False)

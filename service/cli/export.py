@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from service.cli.app import client_for, err, one_line_errors, out
-from service.cli.client import CliError
+from service.cli.client import CliError, job_path
 
 
 @one_line_errors
@@ -32,11 +32,11 @@ def export(
         body["step"] = step
     if output is not None:
         body["output"] = output
-    status = client.request("POST", f"/v1/jobs/{job_id}/exports", json=body)
+    status = client.request("POST", job_path(job_id, "exports"), json=body)
     err.print(f"export {status['id']} of job {job_id} started: {status['output']}")
     while wait and status["state"] == "running":
         time.sleep(interval)
-        status = client.request("GET", f"/v1/jobs/{job_id}/exports/{status['id']}")
+        status = client.request("GET", job_path(job_id, "exports", str(status["id"])))
     if status["state"] == "failed":
         raise CliError(f"export {status['id']} failed: {status.get('error')}")
     if status["state"] == "succeeded":

@@ -20,7 +20,7 @@ from service.cli.app import (
     print_json,
     print_table,
 )
-from service.cli.client import TERMINAL, Client
+from service.cli.client import TERMINAL, Client, job_path
 from service.cli.jobs import duration, goodput_text, watch_job
 from service.cli.performance_views import perf_rows
 
@@ -152,7 +152,7 @@ def status(
     client = client_for(ctx)
     if watch:
         raise typer.Exit(watch_job(client, job_id, interval))
-    job = client.request("GET", f"/v1/jobs/{job_id}")
+    job = client.request("GET", job_path(job_id))
     output = output_of(output, as_json)
     if output is Output.json:
         print_json(job)
@@ -166,7 +166,7 @@ def read_events(client: Client, job_id: str, after: int, limit: int | None) -> l
     items: list[dict[str, Any]] = []
     while limit is None or len(items) < limit:
         size = EVENTS_PAGE if limit is None else min(EVENTS_PAGE, limit - len(items))
-        page = client.request("GET", f"/v1/jobs/{job_id}/events", params={"after": after, "limit": size})
+        page = client.request("GET", job_path(job_id, "events"), params={"after": after, "limit": size})
         items += page["items"]
         if page.get("next_after") is None or not page["items"]:
             break
@@ -192,7 +192,7 @@ def follow_events(client: Client, job_id: str, after: int, output: Output, inter
     one JSON object per line. The exit code follows the job (0 succeeded, 1 otherwise)."""
     header = True
     while True:
-        job = client.request("GET", f"/v1/jobs/{job_id}")
+        job = client.request("GET", job_path(job_id))
         items = read_events(client, job_id, after, None)
         if items:
             after = items[-1]["seq"]

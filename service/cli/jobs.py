@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-import yaml
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -20,20 +19,26 @@ from service.cli.app import (
     one_line_errors,
     out,
 )
-from service.cli.client import TERMINAL, Client, CliError
+from service.cli.client import TERMINAL, Client, CliError, job_path
 from service.cli.overrides import OverrideError, apply_overrides, parse_override
+from service.cli.yaml_input import YamlInputError, parse_yaml
 
 
 def load_spec_file(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise CliError(f"cannot read {path}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise CliError(f"{path} is not UTF-8 text (byte {e.start}); a job spec is YAML or JSON") from e
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        kind = "JSON" if path.suffix == ".json" else "YAML"
-        raise CliError(f"{path} is not valid {kind}: {' '.join(str(e).split())}") from e
+        data = json.loads(text) if path.suffix == ".json" else parse_yaml(text)
+    except json.JSONDecodeError as e:
+        raise CliError(f"{path} is not valid JSON: {' '.join(str(e).split())}") from e
+    except RecursionError as e:
+        raise CliError(f"{path} is not valid JSON: nested too deeply") from e
+    except YamlInputError as e:
+        raise CliError(f"{path}: {e}") from e
     if not isinstance(data, dict):
         raise CliError(
             f"{path} must contain a job spec mapping (name, model, train, ...), got {type(data).__name__}"
@@ -67,7 +72,7 @@ def submit(
         spec = load_spec_file(file) if file is not None else None
         client = client_for(ctx)
         if spec is None:
-            spec = client.request("GET", f"/v1/jobs/{from_job}")["spec"]
+            spec = client.request("GET", job_path(from_job))["spec"]
         spec = apply_overrides(spec, sets or [])
     except OverrideError as e:
         err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True, highlight=False)
@@ -95,7 +100,7 @@ def watch_job(client: Client, job_id: str, interval: float) -> int:
         task = progress.add_task(job_id, total=None, loss="-", tps="-", state="", eta="-")
         while True:
             try:
-                job = client.request("GET", f"/v1/jobs/{job_id}")
+                job = client.request("GET", job_path(job_id))
                 failures = 0
             except CliError:
                 failures += 1
@@ -149,13 +154,13 @@ def goodput_text(goodput: dict[str, Any] | None) -> str:
 @one_line_errors
 def cancel(ctx: typer.Context, job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
     """Cancel a job."""
-    job = client_for(ctx).request("POST", f"/v1/jobs/{job_id}/cancel")
+    job = client_for(ctx).request("POST", job_path(job_id, "cancel"))
     out.print(f"job {job['id']}: {job['state']}")
 
 
 @one_line_errors
 def resume(ctx: typer.Context, job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
     """Resume a failed or cancelled job from its last verified checkpoint (a new attempt)."""
-    job = client_for(ctx).request("POST", f"/v1/jobs/{job_id}/resume")
+    job = client_for(ctx).request("POST", job_path(job_id, "resume"))
     out.print(f"job {job['id']}: {job.get('reason') or job['state']} (attempt {job['attempt']})",
               markup=False, highlight=False)

@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from service.cli.app import Output, OutputOption, client_for, one_line_errors, out, print_json
+from service.cli.client import job_path
 from workers.logs import ranges
 
 
@@ -32,7 +33,7 @@ def logs(
     -o applies to --list (the output itself is printed as written)."""
     client = client_for(ctx)
     if list_logs:
-        index = client.request("GET", f"/v1/jobs/{job}/logs/index")
+        index = client.request("GET", job_path(job, "logs", "index"))
         if output is Output.json:
             print_json(index)
         else:
@@ -43,7 +44,7 @@ def logs(
         params["attempt"] = attempt
     if tail is not None:
         params["tail"] = tail
-    for chunk in client.stream_text(f"/v1/jobs/{job}/logs", params, follow=follow):
+    for chunk in client.stream_text(job_path(job, "logs"), params, follow=follow):
         typer.echo(chunk, nl=False)  # as written: no markup, no wrapping
 
 

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import yaml
+from service.cli.yaml_input import YamlInputError, parse_yaml
 
 _SEGMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 # YAML 1.1 (PyYAML) reads `3e-4` as a string; a learning rate written so is a number.
@@ -39,9 +39,9 @@ def parse_override(item: str) -> tuple[tuple[str, ...], Any]:
             "dot-separated, e.g. train.steps)"
         )
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as e:
-        raise OverrideError(f"--set {item!r}: the value is not valid YAML: {' '.join(str(e).split())}") from e
+        value = parse_yaml(raw, root="the value") if raw.strip() else None
+    except YamlInputError as e:
+        raise OverrideError(f"--set {item!r}: {e}") from e
     if isinstance(value, str) and _FLOAT.match(raw.strip()):
         value = float(value)
     return path, value

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
-from service.cli.client import Client, CliError
+from service.cli.client import Client, CliError, job_path
 
 
 def _ms(seconds: float | None) -> str:
@@ -52,7 +52,7 @@ def terms_table(perf: dict[str, Any]) -> Table:
 
 def explain_against(client: Client, job_id: str) -> tuple[list[str], Table]:
     """Lines to print and the per-term table; CliError when the job has nothing measured."""
-    job = client.request("GET", f"/v1/jobs/{job_id}")
+    job = client.request("GET", job_path(job_id))
     perf = job.get("performance")
     if not perf or not perf.get("measured"):
         why = "no plan" if not perf else "no measured step after warm-up"

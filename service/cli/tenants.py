@@ -18,6 +18,7 @@ from service.cli.app import (
     print_json,
     print_table,
 )
+from service.cli.client import api_path
 
 tenant_app = typer.Typer(help="Tenants: GPU quota, fair-share weight, borrowing, priority cap (admin).",
                          no_args_is_help=True)
@@ -65,7 +66,8 @@ def tenant_set(
     if not body:
         raise typer.BadParameter("nothing to set: give --quota, --no-quota, --weight, --borrowing or "
                                  "--max-priority")
-    out.print(_describe(client_for(ctx).request("PUT", f"/v1/tenants/{tenant}", json=body)), soft_wrap=True)
+    row = client_for(ctx).request("PUT", api_path("tenants", tenant), json=body)
+    out.print(_describe(row), soft_wrap=True)
 
 
 @one_line_errors

@@ -23,7 +23,7 @@ from service.cli.app import (
     print_json,
     print_table,
 )
-from service.cli.client import CliError
+from service.cli.client import CliError, api_path
 
 
 @one_line_errors
@@ -110,6 +110,6 @@ def token_revoke(
     token_id: Annotated[int, typer.Argument(min=1, help="The token's id (see `lattice token list`).")],
 ) -> None:
     """Revoke an API token: it answers 401 from now on."""
-    row = client_for(ctx).request("DELETE", f"/v1/tokens/{token_id}")
+    row = client_for(ctx).request("DELETE", api_path("tokens", str(token_id)))
     out.print(f"token {row['id']} ({row['tenant']}, {row['role']}): revoked at {_when(row['revoked_at'])}")
 

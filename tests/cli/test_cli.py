@@ -179,6 +179,22 @@ def test_unreachable_server_and_bad_token(server: Server, tmp_path: Path) -> Non
     assert_one_line_error(run(["--server", dead, "jobs"], server.env), "cannot reach", dead)
     assert_one_line_error(run(["jobs"], server.env | {"LATTICE_SERVER": dead}), "cannot reach")
     assert_one_line_error(run(["--token", "lat_wrong", "jobs"], server.env), "401")
+    for token in ("lat_caf\u00e9", "lat_a\nb", "lat a"):  # not sendable in a header: said, not sent
+        assert_one_line_error(run(["--token", token, "jobs"], server.env), "token", "printable ASCII")
+    assert_one_line_error(run(["--server", "http://[::1", "jobs"], server.env), "not a valid URL")
+
+
+def test_names_given_to_the_cli_are_one_path_segment(server: Server, tmp_path: Path) -> None:
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(yaml.safe_dump(SPEC))
+    job_id = run(["submit", str(spec_file)], server.env).stdout.split()[2]
+    assert run(["status", job_id], server.env).exit_code == 0
+    # Unescaped, `x/../ID` would be normalised to the job's own path and show (or cancel) it.
+    for args in (["status", f"x/../{job_id}"], ["cancel", f"x/../{job_id}"], ["events", f"x/../{job_id}"]):
+        assert_one_line_error(run(args, server.env), "404")
+    assert_one_line_error(run(["cluster", "cordon", "x/../n1"], server.env), "404")
+    shown = run(["status", job_id], server.env)
+    assert shown.exit_code == 0 and "pending" in shown.stdout  # the cancel above touched nothing
 
 
 def test_token_create_makes_a_tenant_user(server: Server, tmp_path: Path) -> None:
