@@ -135,9 +135,10 @@ def install_problem_handlers(app: FastAPI) -> None:
 
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
             # Undecodable bytes: the same "invalid body" answer as malformed JSON gets.
-            error = FieldError(
-                field="body", message="the request body is not valid UTF-8 JSON", location="body"
-            )
+            deep = isinstance(exc.__cause__, RecursionError)  # FastAPI raises `from` the parser's error
+            message = "nests too deeply" if deep else "is not valid UTF-8 JSON"
+            message = f"the request body {message}"
+            error = FieldError(field="body", message=message, location="body")
             return problem_response(
                 422, "Invalid request", f"body: {error.message}", instance=request.url.path, errors=[error]
             )

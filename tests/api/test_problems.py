@@ -93,6 +93,10 @@ def test_unparseable_bodies(client: TestClient, tokens: dict[str, str]) -> None:
         assert r.status_code == 422, (body, r.text)
         assert r.headers["content-type"] == "application/problem+json"
         assert r.json()["errors"]
+    deep = b'{"name": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # valid JSON the parser cannot nest
+    for path in ("/v1/jobs", "/v1/plans"):
+        r = client.post(path, content=deep, headers=h)
+        assert r.status_code == 422 and r.json()["detail"] == "body: the request body nests too deeply"
 
 
 def test_bad_query_and_path_parameters(client: TestClient, tokens: dict[str, str]) -> None:
