@@ -407,7 +407,8 @@ def combine(stage: Stage, micro: Micro, schedule: str, m: int) -> Combo:
     t_mb = stage.layers * micro.t_layer + micro.t_head + micro.t_tp_edge + v * micro.t_p2p
     compute_mb = stage.layers * micro.t_compute + micro.t_head
     bubble = bubble_fraction(schedule, pp, m, v)
-    core = m * t_mb * (1.0 + bubble)
+    # CPU ranks sharing cores (share > 1) fill each other's bubble: all work at the shared rate, or the
+    core = m * t_mb * max((1.0 + bubble) / stage.fam.env.eff.share, 1.0)  # critical path at the solo one
     infl = inflight_microbatches(schedule, pp, m, v)
     act_first = (stage.layers * micro.act_layer + micro.act_emb) * infl + micro.act_work
     if stage.same_rank:

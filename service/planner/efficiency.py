@@ -238,9 +238,12 @@ class Efficiency:
         self._fsdp_unit = _SizeCurve.of(profile.fsdp_unit) if profile is not None else None
         self._ddp_step = _SizeCurve.of(profile.ddp_step) if profile is not None else None
         self.op_overhead = profile.op_overhead_s if profile is not None else 0.0
-        self.optimizer_tensor = profile.optimizer_tensor_s if profile is not None else 0.0
-        self.optimizer_param = profile.optimizer_param_s if profile is not None else 0.0
-        self.step_overhead = profile.step_overhead_s if profile is not None else 0.0
+        # Host work timed with one rank per core (the optimizer step, the loop's own overhead): on CPU
+        # ranks it is slowed by `share` as compute is.
+        host = self.share if on_cpu else 1.0
+        self.optimizer_tensor = host * profile.optimizer_tensor_s if profile is not None else 0.0
+        self.optimizer_param = host * profile.optimizer_param_s if profile is not None else 0.0
+        self.step_overhead = host * profile.step_overhead_s if profile is not None else 0.0
         self.peak = gpu.peak_flops
         self.hbm_bw = profile.memory_bw if profile is not None and profile.memory_bw > 0 else gpu.hbm_bw
         family = next((k for k in _DATACENTER if gpu.name.upper().startswith(k)), None)
@@ -316,17 +319,24 @@ class Efficiency:
     def tp_linear_time(self, nbytes: float, link_bw: float) -> float | None:
         """Seconds one tensor-parallel linear adds, forward + backward, beyond its matmuls (DTensor dispatch
         and its all-reduce of `nbytes`), as measured on this node type; None when not measured."""
-        return self._tp_linear(nbytes, link_bw) if self._tp_linear is not None else None
+        return self._engine(self._tp_linear, nbytes, link_bw)
 
     def fsdp_unit_time(self, nbytes: float, link_bw: float) -> float | None:
         """Seconds one ZeRO-3 FSDP2 unit of `nbytes` parameters adds per micro-batch (gathers, reduce-
         scatter, copies, hooks), as measured on this node type; None when not measured."""
-        return self._fsdp_unit(nbytes, link_bw) if self._fsdp_unit is not None else None
+        return self._engine(self._fsdp_unit, nbytes, link_bw)
 
     def ddp_step_time(self, nbytes: float, link_bw: float) -> float | None:
         """Seconds the engine's bucketed DDP adds to a step reducing `nbytes` of gradients, as measured on
         this node type; None when not measured."""
-        return self._ddp_step(nbytes, link_bw) if self._ddp_step is not None else None
+        return self._engine(self._ddp_step, nbytes, link_bw)
+
+    def _engine(self, curve: _SizeCurve | None, nbytes: float, link_bw: float) -> float | None:
+        """A measured engine cost, slowed by `share` on CPU ranks: it is host work (dispatch, gloo's
+        reductions, waiting for a partner to be scheduled), timed with one rank per core."""
+        if curve is None:
+            return None
+        return curve(nbytes, link_bw) * (self.share if self.synchronous else 1.0)
 
     def link(self, default_bw: float, default_latency: float) -> tuple[float, float]:
         """(bandwidth, latency per hop) of the intra-node tier: measured all-reduce (bus bandwidth of a

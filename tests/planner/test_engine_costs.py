@@ -81,6 +81,25 @@ def test_ranks_computing_at_once_slow_compute_by_the_measured_factor() -> None:
     assert Efficiency(gpu, slow, ranks_per_host=8).share == pytest.approx(4.0)
 
 
+def test_host_work_measured_one_rank_per_core_slows_with_more_ranks_than_cores() -> None:
+    """The engine's measured costs, the optimizer step and the loop's overhead are host work on CPU
+    ranks, timed with one rank per core: 8 ranks on the profile's 2 cores do it 4x slower, as they
+    compute. A GPU profile's are not shared (each rank has its device)."""
+    gpu = get_gpu("cpu-virtual")
+    base = _profile(tp_linear=2e-3, fsdp_unit=5e-3, ddp_step=9e-3)
+    prof = HardwareProfile(**{**base.__dict__, "optimizer_tensor_s": 3e-5, "optimizer_param_s": 4e-9,
+                              "step_overhead_s": 3e-3})
+    alone, crowded = Efficiency(gpu, prof, ranks_per_host=2), Efficiency(gpu, prof, ranks_per_host=8)
+    assert (alone.share, crowded.share) == (1.0, 4.0)
+    for cost in ("tp_linear_time", "fsdp_unit_time", "ddp_step_time"):
+        assert getattr(crowded, cost)(1e5, 1e9) == pytest.approx(4 * getattr(alone, cost)(1e5, 1e9))
+    for term in ("optimizer_tensor", "optimizer_param", "step_overhead"):
+        assert getattr(crowded, term) == pytest.approx(4 * getattr(alone, term))
+    on_gpu = HardwareProfile(**{**prof.__dict__, "meta": {"device": "cuda", "threads": 1, "cores": 2}})
+    assert Efficiency(gpu, on_gpu, ranks_per_host=8).tp_linear_time(1e5, 1e9) == pytest.approx(2e-3)
+    assert Efficiency(gpu, on_gpu, ranks_per_host=8).step_overhead == pytest.approx(3e-3)
+
+
 def test_measured_engine_cost_is_monotone_in_size_and_grows_with_the_link_beyond_it() -> None:
     gpu = get_gpu("cpu-virtual")
     p = HardwareProfile(**{**_profile().__dict__, "tp_linear": [(1e5, 2e-3), (1e6, 1.5e-3), (4e6, 4e-3)]})
@@ -113,3 +132,23 @@ def test_the_measured_optimizer_step_charges_each_tensor_and_parameter_a_rank_st
     assert zero1 == pytest.approx(whole / 2, rel=1e-6)
     # Unmeasured: the fp32 state's bytes at the memory bandwidth, as before (much less on this profile).
     assert _eval(lay, _profile())["optimizer"] < _eval(lay, measured)["optimizer"] / 2
+
+
+def test_ranks_sharing_cores_fill_each_others_pipeline_bubble() -> None:
+    """With dedicated devices a 1F1B pipeline idles (pp - 1) / m of its work; CPU ranks sharing cores
+    run one another's work meanwhile: the step is the larger of all work at the shared rate and the
+    schedule's critical path at the solo rate."""
+    def bubble_and_work(layout: Layout, profile: HardwareProfile | None) -> tuple[float, float]:
+        t = _eval(layout, profile)
+        core = sum(t.values()) - t["dp_exposed"] - t["optimizer"] - t["overhead"]
+        return t["bubble"], core - t["bubble"]
+
+    pp2 = Layout(pp=2, schedule="1f1b", micro_batch_size=4, num_microbatches=2)  # bubble fraction 1/2
+    for alone in (None, _profile()):  # the catalogue; a profile with one rank per core
+        bubble, work = bubble_and_work(pp2, alone)
+        assert bubble == pytest.approx(0.5 * work)
+    bubble, work = bubble_and_work(pp2, _profile(concurrency=1.2))  # shared 1.2x: 1.5 / 1.2 = 1.25
+    assert bubble == pytest.approx(0.25 * work)
+    crowded = Layout(pp=2, dp=4, schedule="1f1b", micro_batch_size=1, num_microbatches=2)  # 8 ranks
+    bubble, work = bubble_and_work(crowded, _profile())
+    assert bubble == 0.0 and work > 0

@@ -11,7 +11,8 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.planner import ClusterSpec, Layout, TrainSpec, evaluate, get_preset, plan
-from service.planner.efficiency import HardwareProfile
+from service.planner.efficiency import Efficiency, HardwareProfile
+from service.planner.hardware import get_gpu
 from service.store.profiles import newest_profile, save_profile
 
 DEMO = get_preset("demo")
@@ -38,6 +39,12 @@ def _profile(step_overhead_s: float = 0.0) -> HardwareProfile:
         ddp_step=[(1e4, 4e-3), (1e8, 4e-3)], concurrency=1.2, step_overhead_s=step_overhead_s,
         meta={"device": "cpu", "threads": 1, "cores": 2},
     )  # fmt: skip
+
+
+def _share(ranks: int) -> float:
+    """How much slower host work runs with `ranks` ranks on the profile's cores (efficiency.Efficiency):
+    the calibrated overhead is timed with one rank per core."""
+    return Efficiency(get_gpu("cpu-virtual"), _profile(), ranks_per_host=ranks).share
 
 
 def _terms(layout: Layout, profile: HardwareProfile) -> tuple[float, dict[str, float]]:
@@ -71,8 +78,9 @@ def test_step_overhead_round_trips_through_the_store(db_session_factory: session
 def test_the_step_grows_by_exactly_the_overhead_once_per_step(layout: Layout) -> None:
     base, base_terms = _terms(layout, _profile())
     step, terms = _terms(layout, _profile(OVERHEAD))
-    assert base_terms["overhead"] == 0.0 and terms["overhead"] == OVERHEAD
-    assert step - base == pytest.approx(OVERHEAD, rel=1e-9)
+    charged = OVERHEAD * _share(layout.world_size)  # 1.2: the profile's ranks computing at once
+    assert base_terms["overhead"] == 0.0 and terms["overhead"] == pytest.approx(charged, rel=1e-12)
+    assert step - base == pytest.approx(charged, rel=1e-9)
     assert {k: v for k, v in terms.items() if k != "overhead"} == pytest.approx(
         {k: v for k, v in base_terms.items() if k != "overhead"}, rel=1e-12)
 
@@ -92,8 +100,8 @@ def test_a_plan_made_with_the_profile_changes_when_the_overhead_does() -> None:
 
     before, after = searched(_profile()), searched(replace(_profile(OVERHEAD), version=2))
     assert after.layout == before.layout  # a constant per step does not reorder the candidates
-    assert after.step_time_s == pytest.approx(before.step_time_s + OVERHEAD, rel=1e-9)
-    assert after.time_breakdown_s["overhead"] == OVERHEAD
+    assert after.step_time_s == pytest.approx(before.step_time_s + OVERHEAD * _share(8), rel=1e-9)
+    assert after.time_breakdown_s["overhead"] == pytest.approx(OVERHEAD * _share(8), rel=1e-12)
     assert after.to_dict()["profile"] == {"node_type": "cpu-virtual", "version": 2}
 
 
