@@ -179,9 +179,9 @@ class Family:
         self.emb = c.embed / tp
         # A tied head is a second copy of the embedding when it lives on another pipeline rank.
         self.head = (c.head if c.head else (c.embed if pp > 1 else 0)) / tp + c.final_norm
-        # ZeRO-1 shadow shards where the engine keeps them (fp32, no CP/EP; used at ZeRO-1 only).
-        t = env.train
         self.pipelined = pp > 1  # torch pipelining then drives FSDP2 (formulas.model_state_bytes)
+        t = env.train
+        # ZeRO-1 shadow shards where the engine keeps them (fp32, no CP/EP; used at ZeRO-1 only).
         self.shadowed = (t.shadow_optimizer and self.d > 1
                          and not shadow_conflicts(precision=t.precision, cp=cp, ep=ep))
 

@@ -240,7 +240,7 @@ class Efficiency:
         self.op_overhead = profile.op_overhead_s if profile is not None else 0.0
         # Host work timed with one rank per core (the optimizer step, the loop's own overhead): on CPU
         # ranks it is slowed by `share` as compute is.
-        host = self.share if on_cpu else 1.0
+        host = self.share if self.synchronous else 1.0
         self.optimizer_tensor = host * profile.optimizer_tensor_s if profile is not None else 0.0
         self.optimizer_param = host * profile.optimizer_param_s if profile is not None else 0.0
         self.step_overhead = host * profile.step_overhead_s if profile is not None else 0.0
