@@ -34,8 +34,14 @@ def _number(value: Any) -> float | None:
 
 
 def mfu_seconds(plan: Mapping[str, Any] | None) -> float | None:
-    """flops_per_step / (GPUs x peak FLOP/s) of the planned cluster: MFU x step time."""
+    """flops_per_step / (GPUs x peak FLOP/s) of the planned cluster: MFU x step time. The plan's own
+    (its predicted MFU x step time: the peak of the hardware profile it used) where it has them, so
+    that measured and predicted MFU share one peak; else the catalogue's peak."""
     plan = plan or {}
+    pred = plan.get("predicted") or {}
+    mfu, step = _number(pred.get("mfu")), _number(pred.get("step_time_s"))
+    if mfu is not None and step is not None and mfu > 0 and step > 0:
+        return mfu * step
     cluster = plan.get("cluster") or {}
     gpu = GPU_CATALOG.get(str(cluster.get("gpu_type")))
     flops, gpus = plan.get("flops_per_step"), cluster.get("num_gpus")

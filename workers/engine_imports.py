@@ -21,13 +21,54 @@ WARM_MODULES = ("torch", "torch.distributed.checkpoint", "training.checkpoint.ch
 # Ray's worker setup hook for rank actors (workers.warm_workers): a worker process runs it at its start.
 SETUP_HOOK = "workers.engine_imports.preload"
 process_started_at: float | None = None  # set by the hook: when this process was created (None: no hook)
+_preloading: threading.Thread | None = None  # the hook's imports
+CAP_SYS_NICE = 23  # linux/capability.h
 
 
 def preload() -> None:
-    """Import WARM_MODULES now (a new rank worker process, before it takes an actor)."""
-    global process_started_at
+    """Ray's setup hook of a rank worker process: import WARM_MODULES in the background, at idle CPU
+    priority until an actor claims the process (`claim`). A warm process that waits for work (a
+    replacement's, workers.warm_workers) thus never takes a core from ranks computing on the same
+    host, as ten of them importing torch did from a job on the 2-core embedded cluster (2-4x slower
+    steps for its first ~40 s); on a GPU node, whose host cores are mostly idle, it is warm as soon."""
+    global process_started_at, _preloading
     process_started_at = process_start_time()
-    warm_imports().join()
+    _preloading = warm_imports(idle=may_raise_priority())
+
+
+def claim() -> None:
+    """This process was given an actor: the preload still running, if any, at normal priority from now
+    (its imports are the actor's first wait)."""
+    thread = _preloading
+    if thread is not None and thread.is_alive() and thread.native_id is not None:
+        _set_policy(thread.native_id, os.SCHED_OTHER)
+
+
+def may_raise_priority() -> bool:
+    """Whether this process may undo SCHED_IDLE: CAP_SYS_NICE, or an RLIMIT_NICE that covers its
+    nice value (sched(7)). Without it, idle priority would last the imports out, so none is set."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
+        if soft == resource.RLIM_INFINITY or soft >= 20 - os.getpriority(os.PRIO_PROCESS, 0):
+            return True
+        status = Path("/proc/self/status").read_text().splitlines()
+        cap_eff = int(next(line for line in status if line.startswith("CapEff:")).split()[1], 16)
+        return bool(cap_eff >> CAP_SYS_NICE & 1)
+    except (OSError, ValueError, StopIteration):
+        return False
+
+
+def _set_policy(tid: int, policy: int) -> bool:
+    try:
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
+        return True
+    except OSError as e:  # the thread ended meanwhile, or no permission: the imports go on as they are
+        log.debug("scheduling policy %d for thread %d: %s", policy, tid, e)
+        return False
 
 
 def process_start_time() -> float:
@@ -41,9 +82,10 @@ def process_start_time() -> float:
 
 
 def warm_imports(modules: tuple[str, ...] = WARM_MODULES,
-                 on_done: Callable[[], None] | None = None) -> threading.Thread:
+                 on_done: Callable[[], None] | None = None, *, idle: bool = False) -> threading.Thread:
     """Import `modules` in a background thread (the import lock makes a later import wait for it);
-    `on_done` runs in it once they are all imported (or failed to)."""
+    `on_done` runs in it once they are all imported (or failed to). `idle`: the thread runs under
+    SCHED_IDLE (only when no other thread wants the CPU) until `claim`."""
 
     def run() -> None:
         for name in modules:
@@ -56,6 +98,8 @@ def warm_imports(modules: tuple[str, ...] = WARM_MODULES,
 
     thread = threading.Thread(target=run, name="lattice-warm-imports", daemon=True)
     thread.start()
+    if idle and thread.native_id is not None:  # set here, not in the thread: `claim` comes after it
+        _set_policy(thread.native_id, os.SCHED_IDLE)
     return thread
 
 

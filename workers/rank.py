@@ -97,6 +97,7 @@ class RankActor:
         self.ready_at = time.time()  # up and imported (a hot spare's age, a replacement's warm-up)
         # A replacement rank imports the engine while its peers reset; a hot spare is warm only
         # once this is done (`ready`): seconds of imports otherwise land on the recovery path.
+        engine_imports.claim()  # a warm process's own preload, if still running, at full priority now
         self._imports = warm_imports(on_done=self._imported)
 
     def _imported(self) -> None:

@@ -3,7 +3,7 @@ nodes, so that a replacement rank without a hot spare does not import torch on t
 
 Every rank actor of a job (and its spares) is created with `rank_runtime_env(env)`: the job's
 environment and Ray's worker setup hook, `workers.engine_imports.preload`, which a worker process
-started for that runtime env runs before it takes any work. `WarmWorkers.keep(nodes)` asks the raylet
+started for that runtime env runs as it starts. `WarmWorkers.keep(nodes)` asks the raylet
 of each node for such processes ahead of need (workers.raylets; with a keep-alive, so that the idle
 process is not reaped); Ray hands an idle process whose runtime env matches to the next actor created
 with it, which then answers in ~0.1 s instead of spending seconds starting a process and importing
@@ -16,7 +16,8 @@ it wants there and those of its pids still idle (a replacement took one, the ray
 keep-alive ran out); a node it no longer wants processes on, or fewer, has the rest ended. `release()`
 ends them all when the job is over, instead of leaving them idle until the raylet reaps them.
 Costs: one idle process per node (a few hundred MB of host memory) while the job runs; its imports
-take a core for a few seconds, while the ranks rendezvous and build the model.
+(seconds of a core) run at idle CPU priority until an actor takes the process
+(workers.engine_imports.preload), so that they only use cores the ranks leave free.
 
 A rank lost with its node moves to another node (workers.relocate), where the job has no process.
 For a job on several nodes without hot spares (a node's loss leaves survivors: the peer path) the

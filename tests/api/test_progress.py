@@ -24,6 +24,7 @@ from service.progress import (
 from service.scheduler import admission, observer
 from service.scheduler.ingest import write_snapshot
 from service.schemas.views import JobPublic
+from training.config.hardware import GPU_CATALOG
 from training.config.layout import Layout
 from workers.topology import Topology
 
@@ -93,6 +94,18 @@ def test_mfu_is_measured_or_derived_from_the_plan() -> None:
     assert job_mfu({"mfu": None, "step_time_s": 2.0}, 0.1) == pytest.approx(0.05)
     assert job_mfu({"mfu": None, "step_time_s": None}, 0.1) is None
     assert job_mfu({"mfu": None, "step_time_s": 2.0}, None) is None
+
+
+def test_a_job_measured_at_its_predicted_step_time_has_its_predicted_mfu() -> None:
+    # The plan's peak (a calibrated profile's, here 7x the catalogue's cpu-virtual) is the one used:
+    # a job measured 2x slower than predicted has half the predicted MFU, not 3.5x it.
+    plan = {"predicted": {"mfu": 0.025, "step_time_s": 0.1}, "flops_per_step": 4e12,
+            "cluster": {"gpu_type": "cpu-virtual", "num_gpus": 8}}
+    assert job_mfu({"mfu": None, "step_time_s": 0.1}, mfu_seconds(plan)) == pytest.approx(0.025)
+    assert job_mfu({"mfu": None, "step_time_s": 0.2}, mfu_seconds(plan)) == pytest.approx(0.0125)
+    # A plan without a prediction: flops per step over the catalogue's peak.
+    bare = {"flops_per_step": 4e12, "cluster": {"gpu_type": "H100-80GB", "num_gpus": 2}}
+    assert mfu_seconds(bare) == pytest.approx(4e12 / (2 * GPU_CATALOG["H100-80GB"].peak_flops))
 
 
 # ---- the ingest writes it; the API reads it; the metrics say the same ------------------------------

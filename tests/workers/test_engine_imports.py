@@ -1,13 +1,16 @@
-"""workers.engine_imports: warming the engine's imports in the background, and the callback a hot
-spare uses to count itself warm only once they are done."""
+"""workers.engine_imports: warming the engine's imports in the background, the callback a hot spare
+uses to count itself warm only once they are done, and a warm process's idle priority until claimed."""
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 
 import pytest
 
-from workers.engine_imports import import_callable, warm_imports
+from workers import engine_imports
+from workers.engine_imports import import_callable, may_raise_priority, warm_imports
 
 
 def test_the_callback_runs_once_every_module_is_imported_even_past_a_failing_one() -> None:
@@ -23,3 +26,34 @@ def test_a_train_fn_path_names_module_and_function() -> None:
     assert import_callable("os.path:join") is __import__("os").path.join
     with pytest.raises(ValueError, match="package.module:function"):
         import_callable("os.path.join")
+
+
+def _policy(thread: threading.Thread) -> int:
+    assert thread.native_id is not None
+    return os.sched_getscheduler(thread.native_id)
+
+
+@pytest.mark.skipif(not may_raise_priority(), reason="this process may not undo SCHED_IDLE")
+def test_a_warm_process_imports_at_idle_priority_until_an_actor_claims_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    thread = warm_imports(("colorsys",), on_done=lambda: gate.wait(30), idle=True)
+    try:
+        assert _policy(thread) == os.SCHED_IDLE
+        monkeypatch.setattr(engine_imports, "_preloading", thread)
+        engine_imports.claim()
+        assert _policy(thread) == os.SCHED_OTHER
+    finally:
+        gate.set()
+        thread.join(30)
+    engine_imports.claim()  # a preload that has ended: nothing to do, nothing raised
+
+
+def test_imports_not_asked_to_idle_run_at_normal_priority() -> None:
+    gate = threading.Event()
+    thread = warm_imports(("colorsys",), on_done=lambda: gate.wait(30))
+    try:
+        assert _policy(thread) == os.SCHED_OTHER
+    finally:
+        gate.set()
+        thread.join(30)
