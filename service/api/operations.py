@@ -85,7 +85,7 @@ def plan_job(spec: JobSpec, settings: Settings, profile: HardwareProfile | None 
             precision=spec.train.precision or default_precision(cluster.gpu_type),
             shadow_optimizer=spec.fault_tolerance.shadow_optimizer,
         )
-        result = plan_layout(model, train, cluster, given, gpus_from=gpus_from)
+        result = plan_layout(model, train, cluster, given, gpus_from=gpus_from, allow_unfit=spec.allow_unfit)
     except (PlannerError, ValueError) as e:
         message = str(e).replace("layout.", "parallelism.") if given is not None else str(e)
         raise InvalidRequest(

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import math
@@ -133,10 +134,13 @@ def plan_layout(
     top_k: int = 5,
     compare_with_search: bool = False,
     gpus_from: str = "cluster.num_gpus",
+    allow_unfit: bool = False,
 ) -> Plan:
     """The Plan for `given` (None = search everything). Raises PlannerError for bad input and
     LayoutRefused (a PlannerError) when no layout keeps every given field. `gpus_from` names where
-    the GPU count came from, for messages."""
+    the GPU count came from, for messages. `allow_unfit` (a job's admin-only `allow_unfit`): a partial
+    layout whose every completion is over GPU memory is completed as if memory were unbounded, and
+    that layout evaluated (`fits` False), as a given layout that does not fit always was."""
     if given is None:
         return plan(model, train, cluster, zero_stages=zero_stages, top_k=top_k)
     fields = normalize_given(given)
@@ -148,6 +152,15 @@ def plan_layout(
         result.given = fields
         return result
     search, searched = _search(env, fields, zs)
+    if search.best is None and allow_unfit and search.fam_leanest:  # none kept them within memory
+        unbounded = copy.copy(env)
+        unbounded.capacity = math.inf
+        best = _constrained(unbounded, fields, zs, 0)
+        if best is not None:
+            result = evaluate(model, train, cluster, best.layout)
+            result.reasons = chosen_reasons(env, fields, result.layout) + result.reasons
+            result.given = fields
+            return result
     if search.best is None:
         nearest, kept = _nearest(env, fields, zs)
         raise LayoutRefused(_why_not(env, fields, nearest, gpus_from, search), fields, nearest, kept)

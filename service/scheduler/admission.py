@@ -187,7 +187,7 @@ def plan_for_live_cluster(spec_doc: Mapping[str, Any], plan: Mapping[str, Any] |
         train = TrainSpec(global_batch=spec.train.global_batch, seq_len=model.seq_len,
                           precision=spec.train.precision or default_precision(cluster.gpu_type),
                           shadow_optimizer=spec.fault_tolerance.shadow_optimizer)
-        return plan_layout(model, train, cluster, given), None
+        return plan_layout(model, train, cluster, given, allow_unfit=spec.allow_unfit), None
     except (PlannerError, ValueError) as e:
         return None, f"no feasible plan for the live cluster ({settings.gpu_type}): {e}"
 

@@ -178,6 +178,14 @@ def test_unfit_plans_are_refused_unless_an_admin_allows_them(
     assert stored(db_session_factory) == before
     r = client.post("/v1/jobs", json={**unfit, "allow_unfit": True}, headers=bearer(tokens["admin"]))
     assert r.status_code == 201 and r.json()["plan"]["fits"] is False
+    # A partial layout none of whose completions fits: refused, or completed when allowed.
+    partial = tiny(model={"preset": "demo"}, parallelism={"tp": 2, "dp": 4, "zero_stage": 0},
+                   resources={"gpus": 8})
+    problem(client.post("/v1/jobs", json=partial, headers=bearer(tokens["admin"])), 422, "parallelism")
+    r = client.post("/v1/jobs", json={**partial, "allow_unfit": True}, headers=bearer(tokens["admin"]))
+    assert r.status_code == 201 and r.json()["plan"]["fits"] is False
+    assert {k: r.json()["plan"]["layout"][k] for k in ("tp", "dp", "pp", "zero_stage")} == \
+        {"tp": 2, "dp": 4, "pp": 1, "zero_stage": 0}
 
 
 @pytest.mark.parametrize("injection", [False, True], ids=["injection-off", "injection-on"])

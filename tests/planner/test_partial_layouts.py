@@ -140,6 +140,22 @@ def test_an_impossible_combination_names_the_reason_and_the_nearest_layout(
     assert f"the nearest layout that works is {nearest.describe()}" in str(e)
 
 
+def test_allow_unfit_completes_a_partial_layout_that_fits_nowhere_and_says_it_does_not_fit() -> None:
+    # TP 2 x DP 4 at ZeRO-0 is over the cpu-virtual GPU's memory at every micro-batch and recompute.
+    model, train, cluster = _specs(CASES[0])
+    given = {"tp": 2, "dp": 4, "zero_stage": 0}
+    with pytest.raises(LayoutRefused, match="needs .* per cpu-virtual GPU"):
+        plan_layout(model, train, cluster, given)
+    p = plan_layout(model, train, cluster, given, allow_unfit=True)
+    assert (p.layout.tp, p.layout.dp, p.layout.pp, p.layout.zero_stage) == (2, 4, 1, 0)
+    _assert_runnable(model, train, cluster, p.layout)
+    assert not p.fits and p.memory_per_gpu_bytes["total"] > cluster.gpu.hbm_bytes
+    assert p.given == given
+    # What fits is planned as before, allowed or not.
+    assert plan_layout(model, train, cluster, {"tp": 2, "pp": 4}, allow_unfit=True).layout == \
+        plan_layout(model, train, cluster, {"tp": 2, "pp": 4}).layout
+
+
 def test_bad_values_are_planner_errors_naming_the_field() -> None:
     model, train, cluster = _specs(CASES[0])
     for bad, field in (({"schedule": "zigzag"}, "layout.schedule"), ({"tp": 0}, "layout.tp"),
