@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service import store
 from service.performance import performance
 from service.progress import advance, checkpoint_seconds, goodput, mfu_seconds
-from service.scheduler import learning, observer
+from service.scheduler import divergence, learning, observer
 from service.store.jobs import LEGAL_TRANSITIONS
 from service.store.models import Job, JobEvent, JobState
 from service.store.nodes import record_node_fault
@@ -122,6 +122,7 @@ def write_snapshot(sf: sessionmaker[Session], job_id: str, seen_seq: int, snap: 
                     fields["placement"] = snap["placement"]
             derived, reason = _progress_fields(s, job, snap, [e for e in new_events if e["seq"] > floor])
             learning.check_mismatch(s, job, derived["progress"])
+            divergence.check(s, job, derived["progress"], progress.get("loss"), progress.get("step"))
             succeeds = JobState(snap["job_state"]) == JobState.SUCCEEDED
             if feedback and succeeds and "feedback" not in derived["progress"]:
                 derived["progress"]["feedback"] = learning.learn_from(s, job, derived["progress"])
