@@ -45,6 +45,12 @@ def _loss(p: dict[str, Any]) -> str:
     return "-" if p["loss"] is None else f"{p['loss']:.4f}"
 
 
+def _loss_row(p: dict[str, Any]) -> str:
+    """The loss, and where training diverged (the `loss_diverged` event)."""
+    at = p.get("diverged_at")
+    return _loss(p) if at is None else f"{_loss(p)} (diverged at step {at}: see lattice events)"
+
+
 def jobs_table(items: list[dict[str, Any]], wide: bool) -> Table:
     names = ["ID", "NAME", "STATE", "STEP", "LOSS", "CREATED"]
     if wide:
@@ -101,7 +107,7 @@ def status_table(job: dict[str, Any], wide: bool) -> Table:
         ("priority", str(job["priority"])),
         ("attempt", str(job["attempt"])),
         ("progress", _step(p)),
-        ("loss", _loss(p)),
+        ("loss", _loss_row(p)),
         ("tokens/s", "-" if p["tokens_per_s"] is None else f"{p['tokens_per_s']:.0f}"),
         ("step time", duration(p.get("step_time_s"))),
         ("mfu", "-" if p.get("mfu") is None else f"{p['mfu']:.2%}"),

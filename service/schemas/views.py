@@ -65,6 +65,10 @@ class Progress(BaseModel):
         None, description="Loss on the held-out split (data.validation) at its last evaluation."
     )
     val_step: int | None = Field(None, description="The step of that evaluation.")
+    diverged_at: int | None = Field(
+        None, description="The step whose loss was worse than a uniform guess over the vocabulary "
+        "(1.5 x ln(vocab)): training diverged there (the `loss_diverged` event says why); None: it has not."
+    )
     goodput: Goodput = Field(default_factory=Goodput)
     precision: str | None = Field(
         None, description="The precision the job trains in (train.precision, or the plan's default)."
@@ -89,6 +93,7 @@ class Progress(BaseModel):
             eta_s=doc.get("eta_s") if active else None,
             val_loss=doc.get("val_loss"),
             val_step=doc.get("val_step"),
+            diverged_at=doc.get("loss_diverged"),
             goodput=Goodput(**goodput(doc, created=job.created_at.timestamp(), end=end.timestamp())),
             precision=((job.plan or {}).get("train") or {}).get("precision"),
             memory=memory_vs_plan(job.plan, doc),

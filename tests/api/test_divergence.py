@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import math
 
+from rich.console import Console
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import store
 from service.auth import create_token
+from service.cli.job_views import status_table
 from service.scheduler.divergence import DIVERGED_EVENT, DIVERGED_FACTOR
 from service.scheduler.ingest import write_snapshot
+from service.schemas.views import JobPublic
 from tests.api.specs import tiny
 from tests.api.test_progress import snap
 
@@ -51,7 +54,11 @@ def test_a_loss_worse_than_a_uniform_guess_is_reported_once_and_the_job_runs_on(
     assert event.payload["step"] == 3 and event.payload["loss"] == 11965.0 and event.payload["lr"] == 10.0
     assert "diverged" in event.payload["message"] and "train.lr (now 10.0)" in event.payload["message"]
     with sf() as s:
-        assert store.get_job(s, job_id).state == "running"
+        view = JobPublic.from_row(store.get_job(s, job_id))
+    assert view.state == "running" and view.progress.diverged_at == 3
+    console = Console(width=200, record=True)
+    console.print(status_table(view.model_dump(mode="json"), wide=False))
+    assert "20000.0000 (diverged at step 3: see lattice events)" in console.export_text()
 
 
 def test_a_healthy_loss_or_a_spec_without_a_model_raises_nothing(
@@ -62,3 +69,5 @@ def test_a_healthy_loss_or_a_spec_without_a_model_raises_nothing(
         write_snapshot(sf, healthy, 0, _at(step, loss), [])
         write_snapshot(sf, unnamed, 0, _at(step, 1e6), [])
     assert _events(sf, healthy) == [] and _events(sf, unnamed) == []
+    with sf() as s:
+        assert JobPublic.from_row(store.get_job(s, healthy)).progress.diverged_at is None
