@@ -57,13 +57,18 @@ class Grid:
 
     @classmethod
     def quick(cls) -> Grid:
-        """A reduced grid for tests (a second or two without collectives)."""
+        """A reduced grid (a second or two without collectives): the scheduler's background calibration
+        of a node type, and tests. Its messages still reach 4 MiB: at 4 and 64 KiB alone every
+        all-reduce is latency, and the bandwidth fitted to two such points ranged 0.04-2.2 GB/s."""
         return cls(matmul_sizes=(32, 64, 128), attention_seqs=(64, 128), head_dims=(32,),
-                   message_bytes=(4 << 10, 64 << 10), copy_bytes=4 << 20, repeats=2,
+                   message_bytes=(4 << 10, 256 << 10, 4 << 20), copy_bytes=4 << 20, repeats=2,
                    short_budget_s=0.0, engine_points=1)  # fmt: skip
 
 
 SHORT_REPEATS = 5  # at most this many times the grid's repeats for a short call
+# Collectives of at most this many bytes are timed SHORT_REPEATS x as often: a small gloo all-reduce
+# between processes sharing cores took 0.2 or 2 ms by turns, and the median of 2 was either.
+SMALL_MESSAGE_BYTES = 1 << 20
 
 
 def _best_time(fn: Callable[[], Any], device: torch.device, repeats: int, budget_s: float = 0.0) -> float:
@@ -172,11 +177,13 @@ def _collective_rank(rank: int, world: int, grid: Grid) -> dict[str, Any]:
     device = default_device() if backend == "nccl" else torch.device("cpu")
     out: dict[str, list[list[float]]] = {k: [] for k in COLLECTIVES}
     for nbytes in grid.message_bytes:
+        # The same count on every rank (a count from each rank's own warm-up would differ, and hang).
+        repeats = grid.repeats * (SHORT_REPEATS if nbytes <= SMALL_MESSAGE_BYTES else 1)
         x = torch.ones(nbytes // 4, device=device)
         ops = _collective_ops(rank, x, world)
         for name, op in ops.items():
             dist.barrier()
-            out[name].append([float(nbytes), _best_time(op, device, grid.repeats)])
+            out[name].append([float(nbytes), _best_time(op, device, repeats)])
     result: dict[str, Any] = {"backend": backend, "collectives": out}
     if grid.engine_points > 0 and backend == "gloo":
         from training.calibration.engine import engine_rank
