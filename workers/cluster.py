@@ -224,11 +224,7 @@ def start_embedded_cluster(
         "node_ip_address": host,
         "temp_dir": root,
         "labels": {"lattice.role": "head"},
-        # Ray starts workers at nice 15 so that its own daemons stay responsive; here the workers are
-        # the virtual GPUs, computing on the host's cores, and at nice 15 every wake-up after a
-        # collective waited behind the nice-0 service, raylets and drivers: bench.overhead's demo
-        # step 2298 -> 1690 ms at nice 0 (torchrun-style 1273-1357 ms). A real cluster keeps Ray's.
-        "_system_config": {**HEALTH_CHECK_CONFIG, "worker_niceness": 0},
+        "_system_config": dict(HEALTH_CHECK_CONFIG),
     }
     if metrics_export_port is not None:
         head_args["metrics_export_port"] = metrics_export_port

@@ -72,17 +72,6 @@ def test_embedded_cluster_has_the_racks_nodes_gpus_and_labels(ray_cluster):
     assert (d["gpus_total"], d["gpus_free"], d["gpus_schedulable"]) == (16, 16, 8)
 
 
-def test_embedded_workers_compute_at_the_priority_of_the_processes_they_share_cores_with(ray_cluster):
-    # Ray's default nice 15 put the virtual GPUs' ranks behind the service and the raylets.
-    @ray.remote(num_cpus=0)
-    def niceness() -> int:
-        import os
-
-        return os.nice(0)
-
-    assert ray.get(niceness.remote(), timeout=60) == 0
-
-
 def test_rank_actors_land_where_placement_said(ray_cluster):
     wait_for_free_gpus(16)
     placement = place(DP2_PP2_TP2, Topology.from_ray())
