@@ -22,6 +22,7 @@ WARM_MODULES = ("torch", "torch.distributed.checkpoint", "training.checkpoint.ch
 SETUP_HOOK = "workers.engine_imports.preload"
 process_started_at: float | None = None  # set by the hook: when this process was created (None: no hook)
 _preloading: threading.Thread | None = None  # the hook's imports
+_idle_threads: set[int] = set()  # native ids of import threads put under SCHED_IDLE (until `claim`)
 CAP_SYS_NICE = 23  # linux/capability.h
 
 
@@ -38,9 +39,13 @@ def preload() -> None:
 
 def claim() -> None:
     """This process was given an actor: the preload still running, if any, at normal priority from now
-    (its imports are the actor's first wait)."""
+    (its imports are the actor's first wait). Nothing to undo where the hook never set idle priority
+    (no permission to undo it, or not Linux)."""
     thread = _preloading
-    if thread is not None and thread.is_alive() and thread.native_id is not None:
+    if thread is None or thread.native_id not in _idle_threads:
+        return
+    _idle_threads.discard(thread.native_id)
+    if thread.is_alive():
         _set_policy(thread.native_id, os.SCHED_OTHER)
 
 
@@ -99,7 +104,8 @@ def warm_imports(modules: tuple[str, ...] = WARM_MODULES,
     thread = threading.Thread(target=run, name="lattice-warm-imports", daemon=True)
     thread.start()
     if idle and thread.native_id is not None:  # set here, not in the thread: `claim` comes after it
-        _set_policy(thread.native_id, os.SCHED_IDLE)
+        if _set_policy(thread.native_id, os.SCHED_IDLE):
+            _idle_threads.add(thread.native_id)
     return thread
 
 

@@ -57,3 +57,22 @@ def test_imports_not_asked_to_idle_run_at_normal_priority() -> None:
     finally:
         gate.set()
         thread.join(30)
+
+
+def test_claiming_a_preload_that_was_never_made_idle_changes_no_policy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the hook could not set SCHED_IDLE (no permission, not Linux) `claim` must not touch the
+    scheduler: on a platform without os.SCHED_OTHER it would raise in the rank's constructor."""
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(engine_imports, "_set_policy",
+                        lambda tid, policy: calls.append((tid, policy)) or True)
+    monkeypatch.delattr(os, "SCHED_OTHER", raising=False)
+    gate = threading.Event()
+    thread = warm_imports(("colorsys",), on_done=lambda: gate.wait(30))
+    try:
+        monkeypatch.setattr(engine_imports, "_preloading", thread)
+        engine_imports.claim()
+        assert thread.is_alive() and calls == []
+    finally:
+        gate.set()
+        thread.join(30)
