@@ -112,7 +112,11 @@ def rerun_attribution(
     if probed is not None:  # the same batches on other devices (training.integrity.swap)
         evidence["swap"] = swap.evidence(probed, spiked)
         if evidence.get("local_reproduced") and not evidence["swap"]["follows_data"]:
-            culprits.update(spiked)  # reproduced on the same device only: that device's, every time
+            # reproduced on the same device only: that device's, every time (under PP: the stage
+            # where the pipelines part, which need not be the one that spiked)
+            named = swap.culprits(probed, spiked, trainer.cfg.layout)
+            culprits.difference_update(set(spiked) - set(named))
+            culprits.update(named)
             transient = False
             evidence["attribution"] += "; the batch on a DP peer's device gave another norm"
     if not culprits:

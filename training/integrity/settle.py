@@ -65,7 +65,8 @@ def attribute(trainer: RerunnableTrainer, step: int, error: IntegrityError | Non
             if not evidence["swap"]["follows_data"]:  # the same device again, not the batch
                 evidence.update(transient=False, reproduced=True, attribution="the restart re-ran it; the "
                                 "batch on a DP peer's device gave another norm")
-                return IntegrityError(shared.kind, step, sorted(now), evidence), False
+                named = swap.culprits(probed, sorted(now), trainer.cfg.layout)
+                return IntegrityError(shared.kind, step, named, evidence), False
         return IntegrityError(shared.kind, step, shared.ranks, evidence), True
     return shared, False
 
