@@ -109,17 +109,16 @@ def submit_job(
     and a different body is a 409. Concurrent first attempts race on the unique (tenant, key)
     constraint: the loser rolls back and returns the winner's job.
     """
-    digest = request_hash(spec)
-    if idempotency_key is not None:
-        read_phase(session)  # a lookup: no SQLite write lock for it
-        replay = _replay(session, principal, idempotency_key, digest)
-        session.commit()  # end the (read) transaction before planning
-        if replay is not None:
-            return replay, False
-    check_submit_policy(session, principal, spec, settings)
     from service.store.profiles import profile_for
 
-    read_phase(session)
+    digest = request_hash(spec)
+    read_phase(session)  # one read transaction for the lookups: no SQLite write lock for them
+    if idempotency_key is not None:
+        replay = _replay(session, principal, idempotency_key, digest)
+        if replay is not None:
+            session.commit()
+            return replay, False
+    check_submit_policy(session, principal, spec, settings)
     profile = profile_for(session, spec.resources.gpu_type or settings.gpu_type)
     session.commit()  # end the read before planning: no transaction (nor lock) held while it plans
     plan = plan_job(spec, settings, profile)
@@ -190,11 +189,10 @@ def check_submit_policy(session: Session, principal: Principal, spec: JobSpec, s
     if not spec.preemption.preemptible:
         raise _field_error(Forbidden, "preemption.preemptible",
                            "only an admin may make a job non-preemptible")
-    read_phase(session)
+    read_phase(session)  # a read; the caller ends it (submit_job: after its other lookups)
     tenant = session.get(Tenant, principal.tenant)
     cap = tenant.max_priority if tenant is not None and tenant.max_priority is not None else None
     cap = settings.max_user_priority if cap is None else cap
-    session.commit()  # end the read transaction before planning
     if spec.priority > cap:
         raise _field_error(
             InvalidRequest, "priority",

@@ -69,6 +69,9 @@ def test_a_submit_takes_the_write_lock_once(client: TestClient, db_engine: Engin
         assert r.status_code == 201, r.text
     if db_engine.dialect.name == "sqlite":
         assert seen["BEGIN IMMEDIATE"] == 1, seen  # the job, its event and the key, in one transaction
+        # and two reads: the token, then the key, the tenant's priority cap and the hardware profile
+        # together (each had its own transaction: four reads per submit)
+        assert seen["BEGIN"] == 2, seen
     assert seen["INSERT"] >= 2  # the job and its first event at least
     with statements(db_engine) as seen:
         again = client.post("/v1/jobs", json=SPEC, headers=auth | {"Idempotency-Key": "k-1"})
