@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 # (its thread ends once its collective with a lost rank breaks: under a second here; the rest is margin
 # for a loaded host).
 SURVIVOR_UNWIND_S = 30.0
-STANDBY_REFRESH_S = 60.0  # how often the nodes a lost node's ranks would move to are recomputed
+STANDBY_REFRESH_S = 15.0  # how often the nodes a lost node's ranks would move to are recomputed (2 GCS reads)
 
 RemoteRankActor = ray.remote(RankActor)
 
