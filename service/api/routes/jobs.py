@@ -12,6 +12,7 @@ from service import store
 from service.api import operations
 from service.api.deps import CurrentPrincipal, ReadSessionDep, SchedulerDep, SessionDep, SettingsDep
 from service.api.problems import problem_responses
+from service.api.responses import model_response
 from service.schemas import (
     DEMO_SPEC,
     EXPLICIT_SPEC,
@@ -64,17 +65,16 @@ def submit_job(
     principal: CurrentPrincipal,
     settings: SettingsDep,
     scheduler: SchedulerDep,
-    response: Response,
     idempotency_key: IdempotencyKey = None,
-) -> JobPublic:
+) -> Response:
     job, created = operations.submit_job(session, principal, spec, settings, idempotency_key)
+    headers = {"Location": f"/v1/jobs/{job.id}"}
     if not created:
-        response.status_code = status.HTTP_200_OK
-        response.headers["Idempotent-Replayed"] = "true"
+        headers["Idempotent-Replayed"] = "true"
     elif scheduler is not None:
         scheduler.wake()
-    response.headers["Location"] = f"/v1/jobs/{job.id}"
-    return JobPublic.from_row(job)
+    code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
+    return model_response(JobPublic.from_row(job), code, headers)
 
 
 @router.get(
@@ -108,8 +108,8 @@ def list_jobs(
     summary="Get a job",
     responses=problem_responses(401, 404, 422, 503),
 )
-def get_job(job_id: JobId, session: ReadSessionDep, principal: CurrentPrincipal) -> JobPublic:
-    return JobPublic.from_row(operations.visible_job(session, principal, job_id))
+def get_job(job_id: JobId, session: ReadSessionDep, principal: CurrentPrincipal) -> Response:
+    return model_response(JobPublic.from_row(operations.visible_job(session, principal, job_id)))
 
 
 @router.post(
