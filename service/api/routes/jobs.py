@@ -109,7 +109,9 @@ def list_jobs(
     responses=problem_responses(401, 404, 422, 503),
 )
 def get_job(job_id: JobId, session: ReadSessionDep, principal: CurrentPrincipal) -> Response:
-    return model_response(JobPublic.from_row(operations.visible_job(session, principal, job_id)))
+    job = JobPublic.from_row(operations.visible_job(session, principal, job_id))
+    session.rollback()  # the read ends on this thread: the session then closes without a hop to another
+    return model_response(job)
 
 
 @router.post(
