@@ -192,6 +192,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-search", action="store_true", help="skip the searched-layout column")
     ap.add_argument("--machine", action="store_true", help="also calibrate here and measure demo layouts")
+    ap.add_argument("--embedded", action="store_true",
+                    help="also the demo and 4 layouts through `lattice serve` (bench/planner_embedded.py)")
     args = ap.parse_args()
     print(f"# bench/planner_accuracy.py  {datetime.date.today()}  {platform.node()}  (catalogued curves)")
     print(f"{'row':16s} {'gpu':9s} {'gpus':>5s} {'layout':34s} {'pub TF':>7s} {'pred TF':>7s} {'ratio':>6s}  "
@@ -231,6 +233,11 @@ def main() -> None:
               f"{match_any}/{total} over every ZeRO stage")
     if args.machine:
         machine_rows()
+    if args.embedded:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo root
+        from bench import planner_embedded
+
+        planner_embedded.report(steps=30)
 
 
 if __name__ == "__main__":

@@ -61,22 +61,33 @@ def _num(v: float) -> str:
     return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
+def _link(ar: dict[str, float] | None) -> str:
+    return f"{_num(ar['gbps'])} GB/s + {_num(ar['latency_us'])} us" if ar else "-"
+
+
+def inter_node_lines(profiles: list[dict[str, Any]]) -> list[str]:
+    """The all-reduce between two nodes of each type that has it measured (the scheduler times it once
+    a type has two nodes: service/scheduler/autocalibrate.py)."""
+    return [f"{p['node_type']}: all-reduce between nodes {_link(ar)}"
+            for p in profiles if (ar := p.get("inter_node_all_reduce"))]
+
+
 def profiles_table(profiles: list[dict[str, Any]], wide: bool) -> Table:
     """The newest hardware profile of each node type (`lattice calibrate`, or the scheduler's
     background calibration): what plans on that node type use."""
     names = ["NODE TYPE", "VERSION", "DTYPE", "MATMUL TFLOP/S", "MEMORY GB/S", "ALL-REDUCE"]
-    if wide:
-        names += ["BACKEND", "CREATED"]
+    if wide:  # the all-reduce between two nodes too (else a line under the table: `inter_node_lines`)
+        names += ["INTER-NODE", "BACKEND", "CREATED"]
     table = Table(box=None, header_style="bold", pad_edge=False)
     for name in names:
         table.add_column(name, overflow="fold", no_wrap=name in ("VERSION", "DTYPE"))
     for p in profiles:
         mm = ", ".join(f"{d} {_num(v)}" for d, v in p["matmul_tflops"].items()) or "-"
-        ar = p.get("all_reduce")
         row = [p["node_type"], f"v{p['version']}", p["compute_dtype"], mm, _num(p["memory_gbps"]),
-               f"{_num(ar['gbps'])} GB/s + {_num(ar['latency_us'])} us" if ar else "-"]
+               _link(p.get("all_reduce"))]
         if wide:
-            row += [p.get("backend") or "-", p.get("created_at") or "-"]
+            row += [_link(p.get("inter_node_all_reduce")), p.get("backend") or "-",
+                    p.get("created_at") or "-"]
         table.add_row(*row)
     return table
 
@@ -107,6 +118,8 @@ def cluster_status(ctx: typer.Context, output: OutputOption = Output.table) -> N
         return
     out.print("hardware profiles (newest per node type):", highlight=False)
     print_table(profiles_table(profiles, wide), wide)
+    for line in [] if wide else inter_node_lines(profiles):
+        out.print(line, highlight=False, soft_wrap=True)
 
 
 def _set_cordon(ctx: typer.Context, node: str, action: str) -> None:

@@ -33,12 +33,12 @@ from service.planner.formulas import (
     model_state_bytes,
     param_counts,
     recompute_flops_per_token_layer,
-    ring_bytes,
     ring_recompute_flops_per_token_layer,
     tp_bytes_per_layer,
 )
 from service.planner.hardware import GpuType
 from service.planner.specs import ClusterSpec, TrainSpec
+from service.planner.tiers import Tier, collective, off_node, plus
 from training.config.run import shadow_conflicts
 from training.config.spec import ModelSpec
 
@@ -50,17 +50,6 @@ OVERLAP_SLOWDOWN = GpuType.overlap_slowdown
 # and read by the fused scale-mask-softmax (4), dropout read/write plus a 1-byte mask (5), AV reads the
 # probabilities (2); backward reads them again and writes the score gradients (~2x): ~24 bytes.
 UNFUSED_SCORE_BYTES = 24.0
-
-
-def _plus(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
-    return a[0] + b[0], a[1] + b[1]  # (bytes, seconds) of two collectives
-
-
-@dataclass(frozen=True, slots=True)
-class Tier:
-    name: str  # "intra-node" (NVLink), "inter-node" (InfiniBand), "inter-rack" (IB / oversubscription)
-    bw: float
-    latency: float
 
 
 class Env:
@@ -90,8 +79,9 @@ class Env:
         self.ring_recompute_flops = ring_recompute_flops_per_token_layer(model, self.s)
         self.is_moe, self.reserve, self.capacity = model.is_moe, 1.0 * gpu.reserve_bytes, 1.0 * gpu.hbm_bytes
         self.node_tier = Tier("intra-node", *self.eff.link(gpu.nvlink_bw, gpu.intra_latency_s))
-        self.rack_tier = Tier("inter-node", gpu.internode_bw, gpu.inter_latency_s)
-        self.cross_tier = Tier("inter-rack", gpu.internode_bw / cluster.oversubscription, gpu.inter_latency_s)
+        self.rack_tier = Tier("inter-node", *self.eff.inter_link(gpu.internode_bw, gpu.inter_latency_s))
+        rack = self.rack_tier
+        self.cross_tier = Tier("inter-rack", rack.bw / cluster.oversubscription, rack.latency)
 
     def layer_times(self, tokens: int, tp: int, sp: bool) -> tuple[float, float, float, float]:
         """(matmuls, attention core, elementwise, LM head) seconds of one layer's forward + backward for
@@ -139,15 +129,6 @@ class Env:
         if self.n <= self.rack or (span <= self.rack and self.rack % span == 0):
             return self.rack_tier
         return self.cross_tier
-
-
-def _collective(kind: str, nbytes: float, n: int, tier: Tier, count: int) -> tuple[float, float]:
-    """(bytes sent per rank, seconds) for `count` ring collectives moving `nbytes` in total (alpha-beta)."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0, 0.0
-    sent = ring_bytes(kind, nbytes, n)
-    steps = hops(n) * (2 if kind == "all_reduce" else 1)
-    return sent, sent / tier.bw + steps * tier.latency * count
 
 
 class Family:
@@ -237,15 +218,15 @@ class Stage:
             if n <= 1 or params <= 0:
                 continue
             grad, weights = bpp[1] * params, bpp[0] * params
-            ar = _collective("all_reduce", grad, n, fam.dp_tier, self.layers)
-            rs = _collective("reduce_scatter", grad, n, fam.dp_tier, self.layers)
-            ag = _collective("all_gather", weights, ns, shard_tier, self.layers)
+            ar = collective("all_reduce", grad, n, fam.dp_tier, self.layers)
+            rs = collective("reduce_scatter", grad, n, fam.dp_tier, self.layers)
+            ag = collective("all_gather", weights, ns, shard_tier, self.layers)
             # FSDP2 (ZeRO-2/3) reduce-scatters in fp32 (training/parallel/precision.fsdp_policy, torchtitan's
             # default); our own DDP/ZeRO-1 reduce in the gradients' dtype. Both within the shard group.
-            rs32 = _collective("reduce_scatter", max(bpp[1], 4) * params, ns, shard_tier, self.layers)
+            rs32 = collective("reduce_scatter", max(bpp[1], 4) * params, ns, shard_tier, self.layers)
             # HSDP: the n/ns groups ring-all-reduce their fp32 gradient shards once per step (Zhao et al.
             # 2023, PyTorch FSDP, "hybrid sharding"; torchtitan's dp_replicate); 0 when n == ns.
-            hs = _collective("all_reduce", max(bpp[1], 4) * params / ns, n // ns, fam.dp_tier, self.layers)
+            hs = collective("all_reduce", max(bpp[1], 4) * params / ns, n // ns, fam.dp_tier, self.layers)
             for z in (2, 3):
                 self.hsdp_bytes[z] += hs[0]
                 self.hsdp_once[z] += hs[1]
@@ -253,10 +234,10 @@ class Stage:
             # ZeRO-2: reduce-scatter every micro-batch (grads stay sharded) + all-gather once;
             # ZeRO-3: all-gather forward and backward + reduce-scatter, every micro-batch (3x params).
             # Under PP the reduce-scatter runs once, after the last micro-batch (model_state_bytes).
-            ag2 = _plus(ag, ag)
-            per_zero = ((ar, None), (_plus(rs, ag), None),  # (once per step, every micro-batch), ZeRO 0-3
-                (_plus(ag, rs32), None) if pipe else (ag, rs32),
-                (rs32, ag2) if pipe else (None, _plus(ag2, rs32)),
+            ag2 = plus(ag, ag)
+            per_zero = ((ar, None), (plus(rs, ag), None),  # (once per step, every micro-batch), ZeRO 0-3
+                (plus(ag, rs32), None) if pipe else (ag, rs32),
+                (rs32, ag2) if pipe else (None, plus(ag2, rs32)),
             )
             for z, (o, p) in enumerate(per_zero):
                 if o is not None:
@@ -265,18 +246,29 @@ class Stage:
                 if p is not None:
                     bytes_per_mb[z] += p[0]
                     per_mb[z] += p[1]
-        units = self.layers + 1  # a unit per block plus the root (embedding, head; training/parallel/fsdp.py)
-        unit = env.eff.fsdp_unit_time(bpp[0] * big / units, fam.shard_tier.bw) if fam.d_shard > 1 else None
-        if unit is not None and fam.shard_tier is env.node_tier and expert <= 0 and not pipe:
-            # Measured on this node type as FSDP2 issues it (training/calibration/engine.py): per unit of
-            # the mean unit's size, its all-gathers and reduce-scatter with their copies and hooks.
-            per_mb[3] = units * unit
-        ddp = env.eff.ddp_step_time(bpp[1] * big, fam.dp_tier.bw) if fam.d > 1 else None
-        if ddp is not None and fam.dp_tier is env.node_tier and expert <= 0:
-            once[0] = ddp  # measured as the engine's bucketed DDP issues it (training/calibration/engine.py)
+        if expert <= 0:
+            self._engine_dp(big, pipe, once, per_mb)
         self.dp_once, self.dp_per_mb = once, per_mb
         self.dp_bytes_once, self.dp_bytes_per_mb = bytes_once, bytes_per_mb
         self.opt = self._optimizer(big, expert)
+
+    def _engine_dp(self, big: float, pipe: bool, once: list[float], per_mb: list[float]) -> None:
+        """The engine's measured DP costs (training/calibration/engine.py) in place of the alpha-beta
+        model where the profile has them, plus what a group spanning nodes adds on the slower tier."""
+        fam, env, bpp = self.fam, self.fam.env, self.fam.env.bytes_per_param
+        units = self.layers + 1  # a unit per block plus the root (embedding, head; training/parallel/fsdp.py)
+        unit = env.eff.fsdp_unit_time(bpp[0] * big / units, fam.shard_tier.bw) if fam.d_shard > 1 else None
+        if unit is not None and not pipe:
+            # As FSDP2 issues it: per unit of the mean unit's size, its all-gathers and reduce-scatter
+            # with their copies and hooks.
+            weights, grads32 = bpp[0] * big, max(bpp[1], 4) * big
+            moves = (("all_gather", weights), ("all_gather", weights), ("reduce_scatter", grads32))
+            extra = off_node(moves, fam.d_shard, fam.shard_tier, env.node_tier, self.layers)
+            per_mb[3] = units * unit + extra
+        ddp = env.eff.ddp_step_time(bpp[1] * big, fam.dp_tier.bw) if fam.d > 1 else None
+        if ddp is not None:  # as the engine's bucketed DDP issues it
+            once[0] = ddp + off_node((("all_reduce", bpp[1] * big),), fam.d, fam.dp_tier, env.node_tier,
+                                     self.layers)
 
     def _optimizer(self, big: float, expert: float) -> list[float]:
         """Seconds of the optimizer step for each ZeRO stage on the busiest rank."""

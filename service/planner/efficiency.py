@@ -82,6 +82,9 @@ class HardwareProfile:
     )  # kind -> [(bytes, s)]
     ranks: int = 2  # ranks of the collective measurement (intra-node)
     backend: str = ""
+    # The same collectives between two nodes of this type, one rank on each (the inter-node tier);
+    # empty when the type had one node when calibrated: the catalogue's inter-node link then.
+    inter_node: Mapping[str, Sequence[tuple[float, float]]] = field(default_factory=dict)
     # The engine's own parallel code as it issues collectives (training/calibration/engine.py; CPU/gloo):
     # seconds per tensor-parallel linear (forward + backward, with its one all-reduce) by activation bytes,
     # per ZeRO-3 FSDP2 unit (all-gather x2 + reduce-scatter with copies and hooks) by parameter bytes,
@@ -115,6 +118,7 @@ class HardwareProfile:
             "collectives": {k: [list(p) for p in pts] for k, pts in self.collectives.items()},
             "ranks": self.ranks,
             "backend": self.backend,
+            "inter_node": {k: [list(p) for p in pts] for k, pts in self.inter_node.items()},
             "tp_linear": [list(p) for p in self.tp_linear],
             "fsdp_unit": [list(p) for p in self.fsdp_unit],
             "ddp_step": [list(p) for p in self.ddp_step],
@@ -130,10 +134,9 @@ class HardwareProfile:
             matmul = {str(d): [(int(a), int(b), int(c), float(r)) for a, b, c, r in pts]
                       for d, pts in doc["matmul"].items()}  # fmt: skip
             attention = [(int(s), int(hd), float(r)) for s, hd, r in doc.get("attention", [])]
-            coll = {
-                str(k): [(float(b), float(t)) for b, t in pts]
-                for k, pts in doc.get("collectives", {}).items()
-            }
+            coll, inter = ({str(k): [(float(b), float(t)) for b, t in pts]
+                            for k, pts in (doc.get(key) or {}).items()}
+                           for key in ("collectives", "inter_node"))  # fmt: skip
             engine = {k: [(float(b), float(t)) for b, t in doc.get(k) or []]
                       for k in ("tp_linear", "fsdp_unit", "ddp_step")}  # fmt: skip
             dtype = str(doc.get("compute_dtype") or next(iter(matmul), "fp32"))
@@ -146,6 +149,7 @@ class HardwareProfile:
                 optimizer_tensor_s=float(doc.get("optimizer_tensor_s", 0.0)),
                 optimizer_param_s=float(doc.get("optimizer_param_s", 0.0)),
                 collectives=coll, ranks=int(doc.get("ranks", 2)), backend=str(doc.get("backend", "")),
+                inter_node=inter,
                 tp_linear=engine["tp_linear"], fsdp_unit=engine["fsdp_unit"], ddp_step=engine["ddp_step"],
                 concurrency=max(1.0, float(doc.get("concurrency", 1.0))),
                 step_overhead_s=max(0.0, float(doc.get("step_overhead_s", 0.0))),
@@ -218,6 +222,18 @@ class _SizeCurve:
     def __call__(self, nbytes: float, link_bw: float) -> float:
         extra = max(0.0, nbytes - self.top) / link_bw if link_bw > 0 else 0.0
         return self.curve(nbytes) + extra
+
+
+def _ring_link(collectives: Mapping[str, Sequence[tuple[float, float]]], ranks: int, default_bw: float,
+               default_latency: float) -> tuple[float, float]:
+    """(bus bandwidth, latency per hop) of a ring from measured all-reduce times (Hockney fit over message
+    sizes); the defaults when there are none."""
+    if not collectives.get("all_reduce"):
+        return default_bw, default_latency
+    n = max(2, ranks)
+    alpha, beta = fit_alpha_beta(collectives["all_reduce"])
+    # A ring all-reduce sends 2(n-1)/n of the message in 2(n-1) hops (Patarasuk & Yuan 2009).
+    return beta * 2 * (n - 1) / n, alpha / (2 * (n - 1))
 
 
 class Efficiency:
@@ -341,9 +357,18 @@ class Efficiency:
     def link(self, default_bw: float, default_latency: float) -> tuple[float, float]:
         """(bandwidth, latency per hop) of the intra-node tier: measured all-reduce (bus bandwidth of a
         ring, Hockney fit over message sizes) when profiled, else the catalogue's."""
-        if self.profile is None or not self.profile.collectives.get("all_reduce"):
+        if self.profile is None:
             return default_bw, default_latency
-        n = max(2, self.profile.ranks)
-        alpha, beta = fit_alpha_beta(self.profile.collectives["all_reduce"])
-        # A ring all-reduce sends 2(n-1)/n of the message in 2(n-1) hops (Patarasuk & Yuan 2009).
-        return beta * 2 * (n - 1) / n, alpha / (2 * (n - 1))
+        return _ring_link(self.profile.collectives, self.profile.ranks, default_bw, default_latency)
+
+    def inter_link(self, default_bw: float, default_latency: float) -> tuple[float, float]:
+        """(bandwidth, latency per hop) of the inter-node tier: the all-reduce measured between two nodes
+        of this type when profiled (workers/calibration.py, measure_link), else the catalogue's."""
+        if self.profile is None:
+            return default_bw, default_latency
+        return _ring_link(self.profile.inter_node, 2, default_bw, default_latency)
+
+    @property
+    def inter_measured(self) -> bool:
+        """Whether the inter-node tier was measured, not catalogued."""
+        return self.profile is not None and bool(self.profile.inter_node.get("all_reduce"))

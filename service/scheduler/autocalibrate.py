@@ -6,8 +6,12 @@ else the cluster's `LATTICE_GPU_TYPE`; profiles are keyed by the catalogue name.
 without a stored profile it starts, in a daemon thread, the quick calibration grid (seconds) as a
 Ray task holding one GPU of a schedulable node of that type (`workers.calibration.calibrate_on_node`),
 then stores the result as the type's next profile version, unless one was stored meanwhile (an
-operator's `lattice calibrate` measures the full grid: it wins). The tick itself only reads the store,
-and only for types not yet known to have a profile: it never waits for a calibration.
+operator's `lattice calibrate` measures the full grid: it wins). When the type has a second schedulable
+node, the collectives are also timed between the two (one rank on each:
+`workers.calibration.measure_link`), the profile's inter-node tier; a type calibrated with one node keeps
+the catalogue's inter-node link until a second node joins: then the link alone is timed and stored as the
+next version (the rest of the newest profile kept). The tick itself only reads the store, and only for
+types not yet known to have a profile with both tiers: it never waits for a calibration.
 
 At most one calibration per type is in flight. A failure is logged and retried after a backoff that
 doubles from `backoff_s` up to `max_backoff_s`. Writes go through the scheduler's fenced sessions, so a
@@ -41,6 +45,8 @@ CALIBRATION_TIMEOUT_S = 120.0
 
 # (node type, Ray node id) -> the profile document measured on that node.
 Calibrate = Callable[[str, str], Mapping[str, Any]]
+# (node type, Ray node id, another node's id) -> {backend, collectives} timed between the two.
+MeasureLink = Callable[[str, str, str], Mapping[str, Any]]
 
 
 def ray_calibrate(node_type: str, node_id: str) -> Mapping[str, Any]:
@@ -49,6 +55,13 @@ def ray_calibrate(node_type: str, node_id: str) -> Mapping[str, Any]:
 
     return calibrate_on_node(node_type, node_id, CALIBRATION_TIMEOUT_S, quick=True, num_gpus=1,
                              num_cpus=0.1)
+
+
+def ray_measure_link(node_type: str, node_id: str, peer_id: str) -> Mapping[str, Any]:
+    """The collectives between one rank on each node, each holding one of its GPUs."""
+    from workers.calibration import measure_link
+
+    return measure_link(node_id, peer_id, CALIBRATION_TIMEOUT_S, num_gpus=1, num_cpus=0.1)
 
 
 @dataclasses.dataclass
@@ -69,6 +82,7 @@ class AutoCalibrator:
         *,
         enabled: bool = True,
         calibrate: Calibrate = ray_calibrate,
+        measure_link: MeasureLink = ray_measure_link,
         backoff_s: float = 30.0,
         max_backoff_s: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
@@ -77,33 +91,39 @@ class AutoCalibrator:
         self._sf, self._rsf = session_factory, read_session_factory
         default = find_gpu(default_type)
         self._default = default.name if default is not None else default_type
-        self._calibrate = calibrate
+        self._calibrate, self._measure_link = calibrate, measure_link
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self._clock = clock
         self._lock = threading.Lock()
         self._types: dict[str, _TypeState] = {}
         self._profiled: set[str] = set()  # types known to have a profile (profiles are never deleted)
+        self._linked: set[str] = set()  # ... whose newest profile has the inter-node tier too
         self._unknown: set[str] = set()  # labels not in the catalogue, warned about once
 
     # ---- what the scheduler calls ----------------------------------------------------------------
     def tick(self, topology: Topology) -> list[str]:
-        """Start a calibration for each node type seen without a profile; the types started."""
+        """Start a calibration for each node type seen without a profile, and a link measurement for
+        each with a profile but no inter-node tier that now has two free nodes; the types started."""
         if not self.enabled:
             return []
         started = []
         for node_type, nodes in self.node_types(topology).items():
-            if node_type in self._profiled or not self._due(node_type):
+            if node_type in self._linked or not self._due(node_type):
                 continue
             node = _pick_node(nodes)
-            if node is None:
-                continue  # no free GPU of that type now: try on a later tick, not a failure
+            peer = _pick_node([n for n in nodes if n.node_id != node.node_id]) if node is not None else None
+            if node is None or (peer is None and node_type in self._profiled):
+                continue  # no free GPU (or no second node) of that type now: a later tick, not a failure
             with self._rsf() as s:
-                has_profile = newest_profile(s, node_type) is not None
-            if has_profile:
+                newest = newest_profile(s, node_type)
+            if newest is not None:
                 with self._lock:
                     self._profiled.add(node_type)
-                continue
-            self._start(node_type, node)
+                    if newest.inter_node:
+                        self._linked.add(node_type)
+                if newest.inter_node or peer is None:
+                    continue
+            self._start(node_type, node, peer, link_only=newest is not None)
             started.append(node_type)
         return started
 
@@ -143,20 +163,30 @@ class AutoCalibrator:
             st = self._types.get(node_type)
             return st is None or (st.running is None and self._clock() >= st.retry_at)
 
-    def _start(self, node_type: str, node: NodeInfo) -> None:
-        thread = threading.Thread(target=self._run, args=(node_type, node), daemon=True,
+    def _start(self, node_type: str, node: NodeInfo, peer: NodeInfo | None, *, link_only: bool) -> None:
+        thread = threading.Thread(target=self._run, args=(node_type, node, peer, link_only), daemon=True,
                                   name=f"lattice-calibrate-{node_type}")
         with self._lock:
             self._types.setdefault(node_type, _TypeState()).running = thread
-        log.info("node type %s has no hardware profile: calibrating it on %s in the background",
-                 node_type, node.name)
+        if link_only:
+            log.info("node type %s has no inter-node link measurement: timing %s <-> %s in the background",
+                     node_type, node.name, peer.name if peer is not None else "-")
+        else:
+            log.info("node type %s has no hardware profile: calibrating it on %s in the background",
+                     node_type, node.name)
         thread.start()
 
-    def _run(self, node_type: str, node: NodeInfo) -> None:
+    def _run(self, node_type: str, node: NodeInfo, peer: NodeInfo | None, link_only: bool) -> None:
         ok = False
         try:
-            doc = {**self._calibrate(node_type, node.node_id), "node_type": node_type}
-            ok = self._store(node_type, node, doc)
+            if link_only and peer is not None:
+                ok = self._store_link(node_type, dict(self._measure_link(node_type, node.node_id,
+                                                                          peer.node_id)["collectives"]))
+            else:
+                doc = {**self._calibrate(node_type, node.node_id), "node_type": node_type}
+                if peer is not None:
+                    doc["inter_node"] = self._inter_node(node_type, node, peer)
+                ok = self._store(node_type, node, doc)
         except NotLeader as e:
             log.info("node type %s: calibrated, but this scheduler no longer leads (%s); not stored",
                      node_type, e)
@@ -175,6 +205,28 @@ class AutoCalibrator:
                 log.warning("node type %s: calibration failed %d time(s); next try in %.0f s",
                             node_type, st.failures, delay)
 
+    def _inter_node(self, node_type: str, node: NodeInfo, peer: NodeInfo) -> dict[str, Any]:
+        """The collectives timed between `node` and `peer`; {} (the catalogue's link) when that fails: the
+        node's own measurements are still worth storing."""
+        try:
+            return dict(self._measure_link(node_type, node.node_id, peer.node_id)["collectives"])
+        except Exception:  # logged; the profile is stored without the inter-node tier
+            log.warning("node type %s: timing the link between %s and %s failed; its profile keeps the "
+                        "catalogue's inter-node link", node_type, node.name, peer.name, exc_info=True)
+            return {}
+
+    def _store_link(self, node_type: str, inter_node: Mapping[str, Any]) -> bool:
+        """The newest profile with the measured inter-node tier, as the type's next version."""
+        with session_scope(self._sf) as s:
+            newest = newest_profile(s, node_type)
+            if newest is not None and not newest.inter_node:
+                profile = save_profile(s, {**newest.to_dict(), "inter_node": inter_node})
+                log.info("node type %s: stored hardware profile v%d with the inter-node link", node_type,
+                         profile.version)
+        with self._lock:
+            self._linked.add(node_type)
+        return True
+
     def _store(self, node_type: str, node: NodeInfo, doc: Mapping[str, Any]) -> bool:
         with session_scope(self._sf) as s:
             if newest_profile(s, node_type) is not None:  # stored meanwhile (`lattice calibrate`)
@@ -185,6 +237,8 @@ class AutoCalibrator:
                          profile.version, node.name, (doc.get("meta") or {}).get("seconds"))
         with self._lock:
             self._profiled.add(node_type)
+            if doc.get("inter_node"):
+                self._linked.add(node_type)
         return True
 
 

@@ -20,15 +20,15 @@ def save_profile(session: Session, doc: Mapping[str, Any]) -> HardwareProfile:
     """Store `doc` as the next version of its node type's profile; ValueError when malformed.
 
     The version is one more than the newest stored (unique per node type: two concurrent writers
-    collide on the constraint instead of sharing a number)."""
+    collide on the constraint instead of sharing a number). A document without the inter-node tier
+    keeps the newest version's: it is timed between two nodes (service/scheduler/autocalibrate.py),
+    which `lattice calibrate` on one machine does not do."""
     parsed = HardwareProfile.from_dict(doc)
-    newest = session.scalar(
-        select(func.max(HardwareProfileRecord.version)).where(
-            HardwareProfileRecord.node_type == parsed.node_type
-        )
-    )
-    version = (newest or 0) + 1
+    previous = newest_profile(session, parsed.node_type)
+    version = (previous.version if previous is not None else 0) + 1
     stored = {**parsed.to_dict(), "version": version}
+    if not parsed.inter_node and previous is not None and previous.inter_node:
+        stored["inter_node"] = previous.to_dict()["inter_node"]
     session.add(HardwareProfileRecord(node_type=parsed.node_type, version=version, profile=stored))
     session.flush()
     return HardwareProfile.from_dict(stored)
@@ -79,7 +79,8 @@ def profile_summaries(session: Session) -> list[dict[str, Any]]:
 
 
 def summarize(p: HardwareProfile, created_at: str | None = None) -> dict[str, Any]:
-    """Headline figures of a profile: best matmul FLOP/s per dtype, memory and all-reduce bandwidth."""
+    """Headline figures of a profile: best matmul FLOP/s per dtype, memory bandwidth, all-reduce within a
+    node and (when two nodes were timed) between nodes."""
     from service.planner.efficiency import fit_alpha_beta
 
     out: dict[str, Any] = {
@@ -91,9 +92,10 @@ def summarize(p: HardwareProfile, created_at: str | None = None) -> dict[str, An
         "memory_gbps": p.memory_bw / 1e9,
         "backend": p.backend,
     }
-    if p.collectives.get("all_reduce"):
-        alpha, beta = fit_alpha_beta(p.collectives["all_reduce"])
-        out["all_reduce"] = {"latency_us": alpha * 1e6, "gbps": beta / 1e9}
+    for key, coll in (("all_reduce", p.collectives), ("inter_node_all_reduce", p.inter_node)):
+        if coll.get("all_reduce"):
+            alpha, beta = fit_alpha_beta(coll["all_reduce"])
+            out[key] = {"latency_us": alpha * 1e6, "gbps": beta / 1e9}
     return out
 
 

@@ -111,3 +111,17 @@ def test_status_without_a_server_still_says_where_the_shared_cluster_is(
     assert shown.exit_code == 1
     assert shown.stdout.startswith("embedded cluster: up at 127.0.0.1:6380")
     assert "cannot reach the Lattice server" in shown.stderr
+
+
+def test_a_measured_inter_node_link_gets_its_column(server: StubServer,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    profiles = copy.deepcopy(PROFILES)
+    profiles[-1]["inter_node_all_reduce"] = {"gbps": 1.63, "latency_us": 1125.0}
+    view = copy.deepcopy(CLUSTER) | {"scheduler": SCHEDULER, "profiles": profiles}
+    monkeypatch.setattr("tests.cli.test_habits.CLUSTER", view)
+    lines = run("cluster", "status").stdout.splitlines()
+    assert "cpu-virtual: all-reduce between nodes 1.63 GB/s + 1125 us" in lines
+    assert all(len(line) <= 80 for line in lines)
+    wide = run("cluster", "status", "-o", "wide").stdout
+    header = next(line for line in wide.splitlines() if line.startswith("NODE TYPE"))
+    assert "INTER-NODE" in header and "1.63 GB/s + 1125 us" in wide

@@ -1,5 +1,7 @@
 """The scheduler calibrates the cluster's node type in the background on the real session cluster: the
-quick grid as a Ray task on one of its nodes, stored as version 1 and shown by GET /v1/cluster, once."""
+quick grid as a Ray task on one of its nodes, and the collectives between one rank on each of two of its
+nodes (the inter-node tier, gloo between Ray actors); stored as version 1 and shown by GET /v1/cluster,
+once."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Any
 
 from service.store.profiles import newest_profile
 from tests.e2e.conftest import LiveService, wait_for
+from training.calibration.measure import COLLECTIVES
 
 
 def test_the_scheduler_calibrates_a_node_type_without_a_profile_once(
@@ -23,6 +26,7 @@ def test_the_scheduler_calibrates_a_node_type_without_a_profile_once(
     (profile,) = wait_for(shown, 120, "the background calibration's profile in GET /v1/cluster")
     assert (profile["node_type"], profile["version"], profile["backend"]) == ("cpu-virtual", 1, "gloo")
     assert profile["matmul_tflops"]["fp32"] > 0 and profile["all_reduce"]["gbps"] > 0
+    assert profile["inter_node_all_reduce"]["gbps"] > 0 and profile["inter_node_all_reduce"]["latency_us"] > 0
     assert svc.runtime is not None and svc.runtime.scheduler is not None
     calibrator = svc.runtime.scheduler.calibrator
     assert calibrator.wait(30) and calibrator.in_flight() == []
@@ -30,3 +34,7 @@ def test_the_scheduler_calibrates_a_node_type_without_a_profile_once(
     with svc.session() as s:
         stored = newest_profile(s, "cpu-virtual")
     assert stored is not None and stored.version == 1 and stored.meta.get("device") == "cpu"
+    assert sorted(stored.inter_node) == sorted(COLLECTIVES)
+    for kind, points in stored.inter_node.items():
+        assert [b for b, _ in points] == [4 << 10, 256 << 10, 4 << 20], kind
+        assert all(t > 0 for _, t in points), kind

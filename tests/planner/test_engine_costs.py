@@ -3,6 +3,8 @@ per ZeRO-3 unit, ranks computing at once; and how the cost model charges them (s
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from service.planner import ClusterSpec, Layout, TrainSpec, evaluate, get_preset
@@ -152,3 +154,26 @@ def test_ranks_sharing_cores_fill_each_others_pipeline_bubble() -> None:
     crowded = Layout(pp=2, dp=4, schedule="1f1b", micro_batch_size=1, num_microbatches=2)  # 8 ranks
     bubble, work = bubble_and_work(crowded, _profile())
     assert bubble == 0.0 and work > 0
+
+
+def _dp4(profile: HardwareProfile, gpus_per_node: int) -> float:
+    """Exposed DP seconds of DP 4 on nodes of `gpus_per_node` (2: the DP group crosses nodes)."""
+    lay = Layout(dp=4, micro_batch_size=2, num_microbatches=1)
+    cluster = ClusterSpec("cpu-virtual", 4, gpus_per_node=gpus_per_node, profile=profile)
+    return evaluate(DEMO, TRAIN, cluster, lay).time_breakdown_s["dp_exposed"]
+
+
+def test_a_measured_inter_node_tier_prices_dp_across_nodes() -> None:
+    measured = _profile(ddp_step=7e-3)
+    same = dataclasses.replace(measured, inter_node=measured.collectives)
+    assert HardwareProfile.from_dict(same.to_dict()) == same  # round-trips; older docs read as {}
+    older = {k: v for k, v in same.to_dict().items() if k != "inter_node"}
+    assert HardwareProfile.from_dict(older).inter_node == {}
+    # Nodes linked as fast as ranks inside one (the embedded cluster's virtual nodes share a host): the
+    # engine's measured DDP cost holds across them, not the catalogue's 20 MB/s planning link.
+    in_node = _dp4(same, 4)
+    assert in_node > 0 and _dp4(same, 2) == pytest.approx(in_node)
+    assert _dp4(measured, 2) > 10 * in_node
+    # A 10x slower link between nodes: the measured cost plus what the slower tier adds to the all-reduce.
+    slow = {"all_reduce": [(b, 10 * t) for b, t in measured.collectives["all_reduce"]]}
+    assert in_node < _dp4(dataclasses.replace(same, inter_node=slow), 2) < _dp4(measured, 2)

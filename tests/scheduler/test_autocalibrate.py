@@ -35,13 +35,26 @@ def profile_doc(node_type: str, rate: float = 4e9) -> dict[str, Any]:
             "collectives": {"all_reduce": [[4096.0, 2e-4], [65536.0, 6e-4]]}, "backend": "gloo"}  # fmt: skip
 
 
-class FakeCalibration:
-    """Records (node type, node id) calls; `gate` holds each one until set; `fail` calls raise first."""
+INTER_NODE = {"all_reduce": [[4096.0, 4e-4], [4194304.0, 8e-3]]}
 
-    def __init__(self, fail: int = 0, gate: threading.Event | None = None) -> None:
+
+class FakeCalibration:
+    """Records (node type, node id) calls; `gate` holds each one until set; `fail` calls raise first.
+    `link` stands in for the inter-node measurement: records (node type, node, peer); raises when
+    `link_fails`."""
+
+    def __init__(self, fail: int = 0, gate: threading.Event | None = None, link_fails: bool = False) -> None:
         self.calls: list[tuple[str, str]] = []
+        self.links: list[tuple[str, str, str]] = []
         self.fail = fail
         self.gate = gate
+        self.link_fails = link_fails
+
+    def link(self, node_type: str, node_id: str, peer_id: str) -> Mapping[str, Any]:
+        self.links.append((node_type, node_id, peer_id))
+        if self.link_fails:
+            raise RuntimeError("link measurement between nodes failed: the actor died")
+        return {"backend": "gloo", "collectives": INTER_NODE}
 
     def __call__(self, node_type: str, node_id: str) -> Mapping[str, Any]:
         self.calls.append((node_type, node_id))
@@ -70,7 +83,7 @@ def two_types(used: Mapping[str, int] | None = None) -> Topology:
 
 
 def calibrator(sf: sessionmaker[Session], fake: FakeCalibration, **kw: Any) -> AutoCalibrator:
-    return AutoCalibrator(sf, sf, "cpu-virtual", calibrate=fake, **kw)
+    return AutoCalibrator(sf, sf, "cpu-virtual", calibrate=fake, measure_link=fake.link, **kw)
 
 
 def test_each_new_node_type_is_calibrated_once_in_the_background(
@@ -89,6 +102,11 @@ def test_each_new_node_type_is_calibrated_once_in_the_background(
     with db_session_factory() as s:
         stored = newest_profiles(s)
     assert {t: p.version for t, p in stored.items()} == {"H100-80GB": 1, "cpu-virtual": 1}
+    # H100 has two free nodes: the link between them is timed, the inter-node tier of its profile;
+    # cpu-virtual's other node is full, so its profile keeps the catalogue's inter-node link.
+    assert fake.links == [("H100-80GB", "r2-n1", "r2-n2")]
+    assert stored["H100-80GB"].inter_node == {"all_reduce": [(4096.0, 4e-4), (4194304.0, 8e-3)]}
+    assert stored["cpu-virtual"].inter_node == {}
     for _ in range(3):
         assert cal.tick(topology) == []
     assert len(fake.calls) == 2 and cal.in_flight() == []
@@ -100,10 +118,35 @@ def test_a_type_with_a_profile_is_not_calibrated(db_session_factory: sessionmake
         s.commit()
     fake = FakeCalibration()
     cal = calibrator(db_session_factory, fake)
-    assert cal.tick(Topology.uniform(1, 2, 4)) == []
-    assert fake.calls == []
+    assert cal.tick(Topology.uniform(1, 1, 4)) == []  # one node: no link to time either
+    assert fake.calls == [] and fake.links == []
     assert not calibrator(db_session_factory, fake, enabled=False).tick(two_types())  # the setting off
-    assert fake.calls == []
+    assert fake.calls == [] and fake.links == []
+
+
+def test_a_profile_without_the_inter_node_tier_gets_the_link_timed_when_a_second_node_joins(
+    db_session_factory: sessionmaker[Session],
+) -> None:
+    with db_session_factory() as s:
+        first = save_profile(s, profile_doc("cpu-virtual"))  # calibrated on a one-node cluster
+        s.commit()
+    fake = FakeCalibration()
+    cal = calibrator(db_session_factory, fake)
+    assert cal.tick(Topology.uniform(1, 1, 4)) == [] and fake.links == []
+    assert cal.tick(Topology.uniform(1, 2, 4, used={"r1-n2": 4})) == []  # the second node is full
+    assert cal.tick(Topology.uniform(1, 2, 4)) == ["cpu-virtual"] and cal.wait(WAIT_S)
+    assert fake.calls == [] and fake.links == [("cpu-virtual", "r1-n1", "r1-n2")]  # the link alone
+    with db_session_factory() as s:
+        stored = newest_profile(s, "cpu-virtual")
+        # `lattice calibrate` (one machine, no link) keeps the measured tier in its next version
+        again = save_profile(s, profile_doc("cpu-virtual", rate=9e9))
+    assert stored is not None and stored.version == 2 and stored.inter_node == {"all_reduce": [
+        (4096.0, 4e-4), (4194304.0, 8e-3)]}
+    assert stored.matmul == first.matmul and stored.collectives == first.collectives  # the rest kept
+    assert again.version == 3 and again.inter_node == stored.inter_node and again.matmul != first.matmul
+    for _ in range(3):
+        assert cal.tick(Topology.uniform(1, 2, 4)) == []
+    assert len(fake.links) == 1
 
 
 def test_no_free_gpu_or_an_unknown_type_waits_without_counting_a_failure(
@@ -117,6 +160,30 @@ def test_no_free_gpu_or_an_unknown_type_waits_without_counting_a_failure(
     assert cal.tick(busy) == [] and cal.tick(unknown) == [] and fake.calls == []
     assert cal.tick(Topology.uniform(1, 2, 4, used={"r1-n1": 4})) == ["cpu-virtual"]  # a GPU came free
     assert cal.wait(WAIT_S) and fake.calls == [("cpu-virtual", "r1-n2")]
+
+
+def test_a_failing_link_measurement_stores_the_profile_without_the_inter_node_tier(
+    db_session_factory: sessionmaker[Session], caplog: pytest.LogCaptureFixture
+) -> None:
+    fake, clock = FakeCalibration(link_fails=True), Clock()
+    cal = calibrator(db_session_factory, fake, backoff_s=30.0, clock=clock)
+    two = Topology.uniform(1, 2, 4)
+    assert cal.tick(two) == ["cpu-virtual"] and cal.wait(WAIT_S)
+    assert fake.links == [("cpu-virtual", "r1-n1", "r1-n2")]
+    with db_session_factory() as s:
+        stored = newest_profile(s, "cpu-virtual")
+    assert stored is not None and stored.version == 1 and stored.inter_node == {}
+    assert stored.collectives["all_reduce"]  # the node's own measurements are kept
+    assert "catalogue's inter-node link" in caplog.text
+    # The link alone is tried again on the next tick; its failure backs off like a calibration's.
+    assert cal.tick(two) == ["cpu-virtual"] and cal.wait(WAIT_S) and len(fake.links) == 2
+    assert cal.tick(two) == [] and len(fake.calls) == 1
+    clock.now += 30.0
+    fake.link_fails = False
+    assert cal.tick(two) == ["cpu-virtual"] and cal.wait(WAIT_S) and len(fake.calls) == 1
+    with db_session_factory() as s:
+        stored = newest_profile(s, "cpu-virtual")
+    assert stored is not None and stored.version == 2 and stored.inter_node["all_reduce"]
 
 
 def test_a_failing_calibration_is_retried_with_backoff_and_never_raises(
@@ -180,7 +247,8 @@ def _scheduler(engine: Engine, holder: str, home: Path, fake: FakeCalibration,
     elector = _elector(engine, holder)
     sf, rsf = elector.session_factory(engine), make_session_factory(engine, read_only=True)
     settings = Settings(home=home, gpu_type="cpu-virtual", auto_calibrate=True)
-    cal = AutoCalibrator(sf, rsf, settings.gpu_type, calibrate=fake, backoff_s=30.0, clock=clock)
+    cal = AutoCalibrator(sf, rsf, settings.gpu_type, calibrate=fake, measure_link=fake.link, backoff_s=30.0,
+                         clock=clock)
     return Scheduler(settings, sf, read_session_factory=rsf, leader=elector, calibrator=cal), elector
 
 
@@ -216,7 +284,7 @@ def test_a_deposed_leaders_calibration_is_refused_by_the_fence(
     gate = threading.Event()
     fake = FakeCalibration(gate=gate)
     sf = a.session_factory(db_engine)
-    cal = AutoCalibrator(sf, sf, "cpu-virtual", calibrate=fake)
+    cal = AutoCalibrator(sf, sf, "cpu-virtual", calibrate=fake, measure_link=fake.link)
     assert cal.tick(Topology.uniform(1, 1, 4)) == ["cpu-virtual"]
     assert _lead(b) == 2  # a stopped renewing while its calibration ran
     gate.set()

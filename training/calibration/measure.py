@@ -1,4 +1,5 @@
-"""The measurements of a hardware profile (compute on this process's device, collectives on 2 ranks).
+"""The measurements of a hardware profile (compute on this process's device, collectives on 2 ranks:
+local ones, and one on each of two nodes for the inter-node tier).
 
 Every figure is the median of a few timed repeats after one warm-up; GPU timings synchronise the device
 around each repeat.
@@ -6,6 +7,7 @@ around each repeat.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import statistics
@@ -199,6 +201,21 @@ def measure_collectives(grid: Grid, world: int = 2, timeout_s: float = 120.0) ->
                                init_timeout_s=60)[0]
     except LocalRankError as e:
         raise RuntimeError(f"calibration: {e}") from e
+
+
+def link_rank(rank: int, master_addr: str, master_port: int, grid: Grid,
+              timeout_s: float = 120.0) -> dict[str, Any]:
+    """One of the two ranks of an inter-node link measurement (workers/calibration.py, measure_link): joins
+    the group at the master, times the collectives as `measure_collectives` does, and leaves."""
+    from training.parallel.dist import init_distributed, shutdown
+
+    if default_device().type == "cpu":
+        torch.set_num_threads(rank_threads())
+    init_distributed(rank, 2, master_addr, master_port, timeout_s=timeout_s)
+    try:
+        return _collective_rank(rank, 2, dataclasses.replace(grid, engine_points=0))
+    finally:
+        shutdown()
 
 
 def measure_op_overhead(device: torch.device, repeats: int, ops: int = 64, budget_s: float = 0.0) -> float:
