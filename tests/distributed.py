@@ -78,3 +78,24 @@ def run_ranks(
     if any(code != 0 for code in codes):
         raise RankFailed(f"rank processes exited with {codes} after returning their results")
     return [results[r] for r in range(world_size)]
+
+
+def train_to_integrity_error(rank: int, world: int, cfg: Any, hooks: Any, *, resume: bool) -> dict[str, Any]:
+    """Train `cfg` on this gloo rank with `hooks`, whose integrity errors end the attempt as the Ray
+    ranks' do; {kind, step, ranks, evidence} of the error, or {} when training ended without one."""
+    import torch
+
+    from training.integrity.detectors import IntegrityError
+    from training.parallel.dist import DistContext
+    from training.train import train
+
+    def fail(error: Any) -> None:
+        raise error
+
+    hooks.on_integrity_error = fail
+    ctx = DistContext(rank=rank, world_size=world, device=torch.device("cpu"), backend="gloo")
+    try:
+        train(ctx, cfg, hooks, resume=resume)
+    except IntegrityError as e:
+        return {"kind": e.kind, "step": e.step, "ranks": e.ranks, "evidence": e.evidence}
+    return {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, train_to_integrity_error
 from training.config.layout import Layout
 from training.config.run import RunConfig
 from training.config.spec import ModelSpec
@@ -157,15 +157,11 @@ FAULT_STEP = 4
 def _faulty_device(rank: int, world: int, layout: dict, ckpt: str, seen: dict) -> dict:
     """A rank whose device scales one parameter's gradient by 1e4 every time it computes step
     FAULT_STEP (a persistent fault: re-runs and restarts on it reproduce the spike to the bit)."""
-    import torch
 
     from training.config.layout import Layout as L
     from training.config.run import CheckpointConfig
     from training.hooks import TrainHooks
-    from training.integrity.detectors import IntegrityError
     from training.integrity.injection import BitFlipInjector
-    from training.parallel.dist import DistContext
-    from training.train import train
 
     class FaultyDevice(BitFlipInjector):
         def arm_grad_flips(self, step, named_params):  # called before every backward of a step
@@ -183,21 +179,12 @@ def _faulty_device(rank: int, world: int, layout: dict, ckpt: str, seen: dict) -
         def on_gradient_spike(self, error) -> None:
             accepted.append(error.step)
 
-        def on_integrity_error(self, error):  # as the Ray ranks do: the attempt fails
-            raise error
-
     hooks = Hooks()
     hooks.injector = FaultyDevice([], rank)
     hooks.rerun_spikes = seen
     cfg = RunConfig(model=SPEC, layout=L(**layout), steps=6,
                     checkpoint=CheckpointConfig(dir=ckpt, every_steps=2))
-    ctx = DistContext(rank=rank, world_size=world, device=torch.device("cpu"), backend="gloo")
-    try:
-        train(ctx, cfg, hooks, resume=True)
-    except IntegrityError as e:
-        return {"kind": e.kind, "step": e.step, "ranks": e.ranks, "evidence": e.evidence,
-                "accepted": accepted}
-    return {"accepted": accepted}
+    return train_to_integrity_error(rank, world, cfg, hooks, resume=True) | {"accepted": accepted}
 
 
 @pytest.mark.parametrize("layout", [{"dp": 2}, {"dp": 2, "zero_stage": 1}], ids=["snapshot", "restart"])

@@ -6,7 +6,7 @@ on 4 gloo ranks; the logic of the rule on synthetic boundaries below it."""
 
 from __future__ import annotations
 
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, train_to_integrity_error
 from training.config.layout import Layout
 from training.config.spec import ModelSpec
 from training.integrity.swap import Boundary, SwapProbe, culprits
@@ -25,11 +25,8 @@ def _faulty_last_stage(rank: int, world: int, ckpt: str) -> dict:
 
     from training.config.run import CheckpointConfig, RunConfig
     from training.hooks import TrainHooks
-    from training.integrity.detectors import IntegrityError
     from training.integrity.injection import BitFlipInjector
     from training.model.transformer import Transformer
-    from training.parallel.dist import DistContext
-    from training.train import train
 
     class ScaleGrad(torch.autograd.Function):
         @staticmethod
@@ -56,20 +53,11 @@ def _faulty_last_stage(rank: int, world: int, ckpt: str) -> dict:
 
     Transformer.forward = faulty
 
-    class Hooks(TrainHooks):
-        def on_integrity_error(self, error):  # as the Ray ranks do: the attempt fails
-            raise error
-
-    hooks = Hooks()
+    hooks = TrainHooks()
     hooks.injector = FaultyDevice([], rank)
     cfg = RunConfig(model=SPEC, layout=Layout(**LAYOUT), steps=6,
                     checkpoint=CheckpointConfig(dir=ckpt, every_steps=2))
-    ctx = DistContext(rank=rank, world_size=world, device=torch.device("cpu"), backend="gloo")
-    try:
-        train(ctx, cfg, hooks, resume=False)
-    except IntegrityError as e:
-        return {"kind": e.kind, "step": e.step, "ranks": e.ranks, "evidence": e.evidence}
-    return {}
+    return train_to_integrity_error(rank, world, cfg, hooks, resume=False)
 
 
 def test_a_stage_that_sends_a_corrupt_gradient_upstream_is_named_not_the_stage_that_spiked(tmp_path) -> None:

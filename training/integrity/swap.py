@@ -85,12 +85,12 @@ def probe(trainer: Any, step: int) -> SwapProbe:
     return SwapProbe(norms, boundaries)
 
 
-def culprits(result: Probe, spiked: Collection[int], layout: Layout) -> list[int]:
+def culprits(result: SwapProbe, spiked: Collection[int], layout: Layout) -> list[int]:
     """The ranks whose devices a swap probe that did not follow the data names: each spiked rank
     whose batch gave another norm on its peer's device; under PP, instead, the stage of its pipeline
     where the two pipelines' boundaries start to differ (see the module's docstring)."""
     differing = sorted(r for r in spiked if not _same(*result[r]))
-    boundaries = getattr(result, "boundaries", {})
+    boundaries = result.boundaries
     named: set[int] = set()
     for r in differing:
         c = layout.coord(r)
@@ -122,20 +122,17 @@ def follows_data(result: Probe, ranks: Collection[int]) -> bool:
     return all(_same(*result[r]) for r in ranks)
 
 
-def evidence(result: Probe, ranks: Collection[int]) -> dict[str, Any]:
+def evidence(result: SwapProbe, ranks: Collection[int]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "follows_data": follows_data(result, ranks),
         "norms": {str(r): {"own": json_number(result[r][0]), "peer": json_number(result[r][1])}
                   for r in sorted(ranks)}}
-    parted = {str(r): {"own": [json_number(v) for v in own], "peer": [json_number(v) for v in peer],
-                       "fields": list(Boundary._fields)}
-              for r, (own, peer) in sorted(getattr(result, "boundaries", {}).items())
+    parted = {str(r): {"own": [json_number(v) for v in own], "peer": [json_number(v) for v in peer]}
+              for r, (own, peer) in sorted(result.boundaries.items())
               if not all(_same(a, b) for a, b in zip(own, peer, strict=True))}
     if parted:  # under PP: the stages whose boundaries differed between the two pipelines
-        out["boundaries"] = parted
+        out["boundaries"], out["boundary_fields"] = parted, list(Boundary._fields)
     return out
-
-
 
 
 def _same(a: float, b: float) -> bool:
