@@ -132,17 +132,43 @@ def authenticate_request(
     the recorded one is older than `TOUCH_INTERVAL` (a failed record never fails the request)."""
     now = utcnow()
     with read_factory() as session:
-        row = check_live(tenant_store.find_token(session, hash_token(token)), now)
-        principal = Principal(tenant=row.tenant, role=Role(row.role), token_id=row.id)
-        stale = row.last_used_at is None or row.last_used_at <= now - TOUCH_INTERVAL
+        principal, stale = _look_up(session, token, now)
     if stale:
-        try:
-            with write_factory() as session:
-                tenant_store.touch_token(session, row.id, now, TOUCH_INTERVAL)
-                session.commit()
-        except SQLAlchemyError as e:
-            log.warning("cannot record the use of token %s: %s", row.id, type(e).__name__)
+        _record_use(write_factory, principal, now)
     return principal
+
+
+def authenticate_in(read_session: Session, write_factory: sessionmaker[Session], token: str) -> Principal:
+    """Authenticate in the caller's read session and leave its transaction open for the caller's own
+    reads (one transaction for the token and the route). It is ended first when the token is refused
+    (on this thread) or its use must be recorded (no read held across that write: once a minute)."""
+    now = utcnow()
+    try:
+        principal, stale = _look_up(read_session, token, now)
+    except Unauthorized:
+        read_session.rollback()
+        raise
+    if stale:
+        read_session.rollback()
+        _record_use(write_factory, principal, now)
+    return principal
+
+
+def _look_up(session: Session, token: str, now: dt.datetime) -> tuple[Principal, bool]:
+    """The token's principal, and whether its recorded use is older than `TOUCH_INTERVAL`."""
+    row = check_live(tenant_store.find_token(session, hash_token(token)), now)
+    stale = row.last_used_at is None or row.last_used_at <= now - TOUCH_INTERVAL
+    return Principal(tenant=row.tenant, role=Role(row.role), token_id=row.id), stale
+
+
+def _record_use(write_factory: sessionmaker[Session], principal: Principal, now: dt.datetime) -> None:
+    assert principal.token_id is not None
+    try:
+        with write_factory() as session:
+            tenant_store.touch_token(session, principal.token_id, now, TOUCH_INTERVAL)
+            session.commit()
+    except SQLAlchemyError as e:
+        log.warning("cannot record the use of token %s: %s", principal.token_id, type(e).__name__)
 
 
 def ensure_bootstrap_token(session: Session, token_file: Path) -> str | None:

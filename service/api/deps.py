@@ -16,7 +16,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.auth import ANONYMOUS_ADMIN, Principal, authenticate_request
+from service.auth import ANONYMOUS_ADMIN, Principal, authenticate_in, authenticate_request
 from service.errors import Forbidden, Unauthorized
 from service.settings import Settings
 
@@ -75,16 +75,29 @@ SchedulerDep = Annotated[SchedulerHook | None, Depends(get_scheduler)]
 _bearer = HTTPBearer(auto_error=False, description="An API token: `Authorization: Bearer lat_...`.")
 
 
-def get_principal(
-    request: Request,
-    settings: SettingsDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> Principal:
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def get_principal(request: Request, settings: SettingsDep, credentials: BearerDep) -> Principal:
     if not settings.auth_enabled:
         return ANONYMOUS_ADMIN
+    return principal_for_token(request, _bearer_token(credentials))
+
+
+def get_reader(
+    request: Request, settings: SettingsDep, credentials: BearerDep, session: ReadSessionDep
+) -> Principal:
+    """The caller of a route that only reads, looked up in the route's own read session (FastAPI
+    hands both the same one per request): the token and the route's read are one transaction."""
+    if not settings.auth_enabled:
+        return ANONYMOUS_ADMIN
+    return authenticate_in(session, request.app.state.session_factory, _bearer_token(credentials))
+
+
+def _bearer_token(credentials: HTTPAuthorizationCredentials | None) -> str:
     if credentials is None or not credentials.credentials:
         raise Unauthorized("missing bearer token: send the header 'Authorization: Bearer <token>'")
-    return principal_for_token(request, credentials.credentials)
+    return credentials.credentials
 
 
 def principal_for_token(request: Request, token: str) -> Principal:
@@ -95,6 +108,7 @@ def principal_for_token(request: Request, token: str) -> Principal:
 
 
 CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
+ReaderPrincipal = Annotated[Principal, Depends(get_reader)]  # for a route whose session is ReadSessionDep
 
 
 async def require_admin(principal: CurrentPrincipal) -> Principal:

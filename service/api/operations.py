@@ -8,7 +8,7 @@ import binascii
 import hashlib
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -95,6 +95,14 @@ def plan_job(spec: JobSpec, settings: Settings, profile: HardwareProfile | None 
 
 
 # ---- submit ---------------------------------------------------------------------------------------
+class Submission(NamedTuple):
+    job: Job
+    created: bool  # False: a replay of an earlier submit with the same Idempotency-Key and body
+    # A new job's JobPublic JSON, serialised before the commit to prove the row can be served; the
+    # commit changes nothing in it (no refresh: expire_on_commit=False), so the response sends it.
+    body: str | None = None
+
+
 def request_hash(spec: JobSpec) -> str:
     canonical = json.dumps(spec.canonical(), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
@@ -102,8 +110,8 @@ def request_hash(spec: JobSpec) -> str:
 
 def submit_job(
     session: Session, principal: Principal, spec: JobSpec, settings: Settings, idempotency_key: str | None
-) -> tuple[Job, bool]:
-    """Create the job (state pending, plan attached); returns (job, created).
+) -> Submission:
+    """Create the job (state pending, plan attached).
 
     With an idempotency key, a retry with the same body returns the first job (created=False)
     and a different body is a 409. Concurrent first attempts race on the unique (tenant, key)
@@ -117,7 +125,7 @@ def submit_job(
         replay = _replay(session, principal, idempotency_key, digest)
         if replay is not None:
             session.commit()
-            return replay, False
+            return Submission(replay, created=False)
     check_submit_policy(session, principal, spec, settings)
     profile = profile_for(session, spec.resources.gpu_type or settings.gpu_type)
     session.commit()  # end the read before planning: no transaction (nor lock) held while it plans
@@ -155,7 +163,7 @@ def submit_job(
             tenant_store.add_idempotency_key(
                 session, tenant=principal.tenant, key=idempotency_key, request_hash=digest, job_id=job.id
             )
-        _check_servable(session, job)
+        body = _check_servable(session, job)
         session.commit()
     except IntegrityError:
         session.rollback()
@@ -165,8 +173,8 @@ def submit_job(
         session.commit()
         if replay is None:
             raise
-        return replay, False
-    return job, True
+        return Submission(replay, created=False)
+    return Submission(job, created=True, body=body)
 
 
 def check_submit_policy(session: Session, principal: Principal, spec: JobSpec, settings: Settings) -> None:
@@ -228,10 +236,11 @@ def _field_error(kind: type[LatticeError], field: str, message: str) -> LatticeE
     return kind(f"{field}: {message}", errors=[{"field": field, "message": message}])
 
 
-def _check_servable(session: Session, job: Job) -> None:
-    """Serialise the job as GET will, before the commit: a row that cannot be served is never stored."""
+def _check_servable(session: Session, job: Job) -> str:
+    """Serialise the job as GET will, before the commit: a row that cannot be served is never stored.
+    Returns the JSON (by alias, as FastAPI sends a response model)."""
     try:
-        JobPublic.from_row(job).model_dump_json()
+        return JobPublic.from_row(job).model_dump_json(by_alias=True)
     except (ValueError, TypeError, RecursionError) as e:
         session.rollback()
         raise InvalidRequest(

@@ -34,13 +34,18 @@ def statements(engine: Engine) -> Iterator[Counter[str]]:
     def on_commit(conn: Any) -> None:
         seen["COMMIT"] += 1
 
+    def on_begin(conn: Any) -> None:  # on either backend (PostgreSQL's BEGIN is not a statement)
+        seen["transactions"] += 1
+
     event.listen(engine, "before_cursor_execute", on_execute)
     event.listen(engine, "commit", on_commit)
+    event.listen(engine, "begin", on_begin)
     try:
         yield seen
     finally:
         event.remove(engine, "before_cursor_execute", on_execute)
         event.remove(engine, "commit", on_commit)
+        event.remove(engine, "begin", on_begin)
 
 
 def test_a_get_reads_without_the_write_lock_and_never_commits(client: TestClient, db_engine: Engine,
@@ -58,6 +63,66 @@ def test_a_get_reads_without_the_write_lock_and_never_commits(client: TestClient
     assert seen["BEGIN IMMEDIATE"] == 0, seen
     assert seen["COMMIT"] == 0, seen
     assert seen["INSERT"] == seen["UPDATE"] == 0, seen
+
+
+def test_a_read_looks_up_its_token_in_its_own_read_transaction(
+    client: TestClient, db_engine: Engine, tokens: dict[str, str]
+) -> None:
+    """The token lookup and the route's read share the request's read session (service.api.deps
+    .get_reader): one transaction per GET, not one for the token and another for the job."""
+    auth = bearer(tokens["a"])
+    job = client.post("/v1/jobs", json=SPEC, headers=auth).json()
+    client.get(f"/v1/jobs/{job['id']}", headers=auth)  # the token's use is recorded (a write) at most once
+    for path in (f"/v1/jobs/{job['id']}", "/v1/jobs", f"/v1/jobs/{job['id']}/events"):
+        with statements(db_engine) as seen:
+            assert client.get(path, headers=auth).status_code == 200
+        assert seen["transactions"] == 1, (path, seen)
+        assert seen["SELECT"] >= 2, (path, seen)  # the token, then the route's read
+    with statements(db_engine) as seen:  # a refused token ends the read before the 401
+        assert client.get(f"/v1/jobs/{job['id']}", headers=bearer("lat_nope")).status_code == 401
+    assert seen["transactions"] == 1 and seen["COMMIT"] == 0, seen
+    revoked = client.delete(f"/v1/tokens/{_token_id(client, tokens)}", headers=bearer(tokens["admin"]))
+    assert revoked.status_code == 200, revoked.text
+    assert client.get(f"/v1/jobs/{job['id']}", headers=auth).status_code == 401  # revocation is immediate
+
+
+def _token_id(client: TestClient, tokens: dict[str, str]) -> int:
+    listed = client.get("/v1/tokens", params={"tenant": "team-a"}, headers=bearer(tokens["admin"])).json()
+    (row,) = listed["items"]
+    return int(row["id"])
+
+
+def test_a_submit_serialises_its_job_once_and_answers_with_the_stored_job(
+    client: TestClient, tokens: dict[str, str], monkeypatch: Any
+) -> None:
+    """The JSON that proves a new job can be served (before its commit) is the response's body."""
+    from service.schemas import JobPublic
+
+    auth = bearer(tokens["a"])
+    client.get("/v1/jobs", headers=auth)
+    from_row = JobPublic.from_row
+    rows: list[str] = []
+
+    def counting(job: Any) -> JobPublic:
+        rows.append(job.id)
+        return from_row(job)
+
+    monkeypatch.setattr(JobPublic, "from_row", counting)
+    r = client.post("/v1/jobs", json=SPEC, headers=auth | {"Idempotency-Key": "once"})
+    assert r.status_code == 201 and r.headers["Location"] == f"/v1/jobs/{r.json()['id']}"
+    assert rows == [r.json()["id"]]
+    assert r.headers["content-type"] == "application/json"
+    stored = client.get(f"/v1/jobs/{r.json()['id']}", headers=auth).json()
+    assert _timeless(r.json()) == _timeless(stored)
+    assert 0 <= r.json()["progress"]["goodput"]["queued_s"] <= stored["progress"]["goodput"]["queued_s"]
+    replay = client.post("/v1/jobs", json=SPEC, headers=auth | {"Idempotency-Key": "once"})
+    assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
+    assert _timeless(replay.json()) == _timeless(r.json())
+
+
+def _timeless(job: dict[str, Any]) -> dict[str, Any]:
+    """A job without its goodput, the split of the wall time up to when it was serialised."""
+    return {**job, "progress": {k: v for k, v in job["progress"].items() if k != "goodput"}}
 
 
 def test_a_submit_takes_the_write_lock_once(client: TestClient, db_engine: Engine,

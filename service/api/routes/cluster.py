@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from service import store
 from service.api.deps import AdminPrincipal, CurrentPrincipal, ReadSessionDep, SessionDep, SettingsDep
 from service.api.problems import problem_responses
+from service.api.responses import ModelResponseRoute
 from service.errors import Conflict, NotFound
 from service.store.leases import read_lease
 from service.store.models import Node, NodeHealth
@@ -24,7 +25,7 @@ from service.store.nodes import ClusterLedger, uncordoned_health
 from service.store.profiles import profile_summaries
 from workers.topology import NodeInfo, Topology
 
-router = APIRouter(prefix="/v1/cluster", tags=["cluster"])
+router = APIRouter(prefix="/v1/cluster", tags=["cluster"], route_class=ModelResponseRoute)
 
 NodeId = Annotated[
     str,
@@ -100,7 +101,8 @@ class ClusterPublic(BaseModel):
         default_factory=list,
         description="The newest measured hardware profile of each node type (`lattice calibrate`): "
         "node_type, version, created_at, matmul_tflops per dtype, memory_gbps, all_reduce {gbps, "
-        "latency_us}. Plans on a cluster of that node type use it.",
+        "latency_us} within a node and inter_node_all_reduce between two nodes (when measured). "
+        "Plans on a cluster of that node type use it.",
     )
 
 

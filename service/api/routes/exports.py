@@ -10,10 +10,11 @@ from fastapi import APIRouter, Body, Path, status
 from service.api import exports, operations
 from service.api.deps import CurrentPrincipal, ReadSessionDep, SettingsDep
 from service.api.problems import problem_responses
+from service.api.responses import ModelResponseRoute
 from service.api.routes.jobs import JobId
 from service.schemas.exports import ExportCreate, ExportPublic
 
-router = APIRouter(prefix="/v1/jobs", tags=["exports"])
+router = APIRouter(prefix="/v1/jobs", tags=["exports"], route_class=ModelResponseRoute)
 
 ExportId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="Export id.")]
 

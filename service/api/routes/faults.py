@@ -17,13 +17,14 @@ from pydantic import BaseModel, Field
 from service.api.deps import AdminPrincipal, SessionDep, SettingsDep
 from service.api.operations import visible_job
 from service.api.problems import problem_responses
+from service.api.responses import ModelResponseRoute
 from service.api.routes.jobs import JobId
 from service.errors import Conflict, LatticeError
 from service.schemas import FaultSpec
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1/jobs", tags=["faults"])
+router = APIRouter(prefix="/v1/jobs", tags=["faults"], route_class=ModelResponseRoute)
 
 ACTIVE_STATES = ("starting", "running", "recovering")
 FAULT_EXAMPLES = {

@@ -16,6 +16,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from service import metrics, store
 from service.api.deps import SettingsDep, principal_for_token
 from service.api.problems import problem_responses
+from service.api.responses import ModelResponseRoute
 from service.api.worker_metrics import WorkerAggregateCollector
 from service.errors import Forbidden, ServiceUnavailable, Unauthorized
 from service.schemas import Health, Readiness
@@ -24,7 +25,7 @@ from service.store.models import JobState
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], route_class=ModelResponseRoute)
 
 
 @router.get("/healthz", response_model=Health, summary="Liveness")

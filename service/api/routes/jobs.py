@@ -10,9 +10,16 @@ from fastapi import APIRouter, Body, Header, Path, Query, Response, status
 
 from service import store
 from service.api import operations
-from service.api.deps import CurrentPrincipal, ReadSessionDep, SchedulerDep, SessionDep, SettingsDep
+from service.api.deps import (
+    CurrentPrincipal,
+    ReaderPrincipal,
+    ReadSessionDep,
+    SchedulerDep,
+    SessionDep,
+    SettingsDep,
+)
 from service.api.problems import problem_responses
-from service.api.responses import model_response
+from service.api.responses import ModelResponseRoute, json_response, model_response
 from service.schemas import (
     DEMO_SPEC,
     EXPLICIT_SPEC,
@@ -24,7 +31,7 @@ from service.schemas import (
     JobStateName,
 )
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=ModelResponseRoute)
 
 JobId = Annotated[
     str, Path(pattern=r"^[0-9A-Za-z]{1,64}$", description="Job id.", examples=["01JABCDEF0123456789ABCDEFG"])
@@ -67,14 +74,15 @@ def submit_job(
     scheduler: SchedulerDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Response:
-    job, created = operations.submit_job(session, principal, spec, settings, idempotency_key)
+    job, created, body = operations.submit_job(session, principal, spec, settings, idempotency_key)
     headers = {"Location": f"/v1/jobs/{job.id}"}
     if not created:
         headers["Idempotent-Replayed"] = "true"
-    elif scheduler is not None:
+        return model_response(JobPublic.from_row(job), status.HTTP_200_OK, headers)
+    if scheduler is not None:
         scheduler.wake()
-    code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
-    return model_response(JobPublic.from_row(job), code, headers)
+    assert body is not None  # a new job's JSON, checked before its commit
+    return json_response(body, status.HTTP_201_CREATED, headers)
 
 
 @router.get(
@@ -82,7 +90,7 @@ def submit_job(
 )
 def list_jobs(
     session: ReadSessionDep,
-    principal: CurrentPrincipal,
+    principal: ReaderPrincipal,
     state: Annotated[list[JobStateName] | None, Query(description="Only jobs in these states.")] = None,
     tenant: Annotated[
         str | None,
@@ -108,10 +116,10 @@ def list_jobs(
     summary="Get a job",
     responses=problem_responses(401, 404, 422, 503),
 )
-def get_job(job_id: JobId, session: ReadSessionDep, principal: CurrentPrincipal) -> Response:
+def get_job(job_id: JobId, session: ReadSessionDep, principal: ReaderPrincipal) -> JobPublic:
     job = JobPublic.from_row(operations.visible_job(session, principal, job_id))
     session.rollback()  # the read ends on this thread: the session then closes without a hop to another
-    return model_response(job)
+    return job
 
 
 @router.post(
@@ -154,7 +162,7 @@ def resume_job(
 def list_events(
     job_id: JobId,
     session: ReadSessionDep,
-    principal: CurrentPrincipal,
+    principal: ReaderPrincipal,
     after: Annotated[int, Query(ge=0, le=2**31 - 1, description="Only events with seq > after.")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000, description="Page size.")] = 100,
 ) -> EventPage:

@@ -22,6 +22,7 @@ from sqlalchemy.orm import sessionmaker
 from service.api import operations
 from service.api.deps import CurrentPrincipal, ReadSessionDep, SettingsDep
 from service.api.problems import problem_responses
+from service.api.responses import ModelResponseRoute
 from service.api.routes.jobs import JobId
 from service.errors import NotFound
 from service.schemas.logs import AttemptLogsPublic, LogIndex, RankLogPublic
@@ -39,7 +40,7 @@ from workers.logs import (
     tail_log,
 )
 
-router = APIRouter(prefix="/v1/jobs", tags=["logs"])
+router = APIRouter(prefix="/v1/jobs", tags=["logs"], route_class=ModelResponseRoute)
 
 FOLLOW_POLL_S = 0.5
 TEXT = "text/plain; charset=utf-8"

@@ -20,6 +20,7 @@ import fastapi
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.planning import CpuBudgetExceeded, plan_pool_for, search_too_large
+from service.api.responses import ModelResponseRoute
 from service.planner import ClusterSpec, LayoutRefused, PlannerError, TrainSpec, get_preset, plan_layout
 from service.planner.efficiency import HardwareProfile
 from service.store.profiles import newest_profiles
@@ -27,7 +28,7 @@ from training.config.hardware import find_gpu
 from training.config.layout import LayoutError
 from training.config.spec import ModelSpec, SpecError
 
-router = fastapi.APIRouter(tags=["plans"])
+router = fastapi.APIRouter(tags=["plans"], route_class=ModelResponseRoute)
 
 
 class ModelIn(BaseModel):

@@ -17,10 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.deps import AdminPrincipal, ReadSessionDep, SessionDep, SettingsDep
 from service.api.problems import problem_responses
+from service.api.responses import ModelResponseRoute
 from service.store import tenants as tenant_store
 from service.store.models import Tenant
 
-router = APIRouter(prefix="/v1/tenants", tags=["tenants"])
+router = APIRouter(prefix="/v1/tenants", tags=["tenants"], route_class=ModelResponseRoute)
 
 TenantName = Annotated[
     str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="The tenant.")

@@ -18,13 +18,14 @@ from sqlalchemy.orm import Session
 
 from service.api.deps import AdminPrincipal, CurrentPrincipal, ReadSessionDep, SessionDep
 from service.api.problems import problem_responses
+from service.api.responses import ModelResponseRoute
 from service.auth import Principal, create_token_row
 from service.errors import Conflict, NotFound
 from service.schemas import TokenCreate, TokenCreated
 from service.store import tenants as tenant_store
 from service.store.models import ApiToken, Role, utcnow
 
-router = APIRouter(prefix="/v1/tokens", tags=["auth"])
+router = APIRouter(prefix="/v1/tokens", tags=["auth"], route_class=ModelResponseRoute)
 
 TokenId = Annotated[int, Path(ge=1, le=2**31 - 1, description="The token's id (from `GET /v1/tokens`).")]
 TenantFilter = Annotated[
