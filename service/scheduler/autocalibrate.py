@@ -183,9 +183,15 @@ class AutoCalibrator:
                 ok = self._store_link(node_type, dict(self._measure_link(node_type, node.node_id,
                                                                           peer.node_id)["collectives"]))
             else:
+                start = time.monotonic()
                 doc = {**self._calibrate(node_type, node.node_id), "node_type": node_type}
+                meta = doc["meta"] = dict(doc.get("meta") or {})
                 if peer is not None:
+                    linked = time.monotonic()
                     doc["inter_node"] = self._inter_node(node_type, node, peer)
+                    meta["inter_node_s"] = round(time.monotonic() - linked, 3)
+                # in all, from the start of the task: a worker to start, the node, the link
+                meta["background_s"] = round(time.monotonic() - start, 3)
                 ok = self._store(node_type, node, doc)
         except NotLeader as e:
             log.info("node type %s: calibrated, but this scheduler no longer leads (%s); not stored",
@@ -233,8 +239,10 @@ class AutoCalibrator:
                 log.info("node type %s got a profile while calibrating; keeping that one", node_type)
             else:
                 profile = save_profile(s, doc)
-                log.info("node type %s: stored hardware profile v%d, measured on %s in %s s", node_type,
-                         profile.version, node.name, (doc.get("meta") or {}).get("seconds"))
+                meta = doc.get("meta") or {}
+                log.info("node type %s: stored hardware profile v%d, measured on %s in %s s (the link to "
+                         "another node: %s s; %s s in all)", node_type, profile.version, node.name,
+                         meta.get("seconds"), meta.get("inter_node_s", "-"), meta.get("background_s"))
         with self._lock:
             self._profiled.add(node_type)
             if doc.get("inter_node"):

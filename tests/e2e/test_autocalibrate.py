@@ -35,6 +35,7 @@ def test_the_scheduler_calibrates_a_node_type_without_a_profile_once(
         stored = newest_profile(s, "cpu-virtual")
     assert stored is not None and stored.version == 1 and stored.meta.get("device") == "cpu"
     assert sorted(stored.inter_node) == sorted(COLLECTIVES)
+    assert stored.meta["background_s"] > stored.meta["inter_node_s"] > 0
     for kind, points in stored.inter_node.items():
         assert [b for b, _ in points] == [4 << 10, 256 << 10, 4 << 20], kind
         assert all(t > 0 for _, t in points), kind

@@ -107,6 +107,10 @@ def test_each_new_node_type_is_calibrated_once_in_the_background(
     assert fake.links == [("H100-80GB", "r2-n1", "r2-n2")]
     assert stored["H100-80GB"].inter_node == {"all_reduce": [(4096.0, 4e-4), (4194304.0, 8e-3)]}
     assert stored["cpu-virtual"].inter_node == {}
+    # How long each took (the bound is on the whole background calibration of a type).
+    h100, cpu = stored["H100-80GB"].meta, stored["cpu-virtual"].meta
+    assert {"background_s", "inter_node_s"} <= set(h100) and h100["background_s"] >= h100["inter_node_s"]
+    assert "background_s" in cpu and "inter_node_s" not in cpu
     for _ in range(3):
         assert cal.tick(topology) == []
     assert len(fake.calls) == 2 and cal.in_flight() == []
