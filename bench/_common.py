@@ -12,12 +12,14 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from training.parallel.local_ranks import run_local_ranks
+
+T = TypeVar("T")
 
 
 def spawn(world: int, fn: Callable[..., Any], args: tuple = (), timeout_s: float = 1200.0) -> Any:
@@ -120,3 +122,25 @@ def _fmt(c: Any) -> str:
     if isinstance(c, float):
         return f"{c:.3f}" if abs(c) < 100 else f"{c:.1f}"
     return str(c)
+
+
+def wait_for(what: Callable[[], T | None], timeout_s: float, message: str, poll_s: float = 0.05) -> T:
+    """`what()`'s first truthy value, polled every `poll_s`; RuntimeError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = what()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s:g} s waiting for {message}")
+        time.sleep(poll_s)
+
+
+def healthz_up(base: str) -> bool:
+    """Whether the `lattice serve` at `base` answers /healthz with 200."""
+    import httpx
+
+    try:
+        return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False

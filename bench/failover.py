@@ -25,13 +25,14 @@ import uuid
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
+from bench._common import healthz_up, wait_for
+
 ROOT = Path(__file__).resolve().parents[1]
 SEED, STEPS, EVERY, DP = 11, 24, 4, 2
-T = TypeVar("T")
 SPEC: dict[str, Any] = {
     "name": "bench-failover",
     "model": {"layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seq_len": 16},
@@ -42,17 +43,6 @@ SPEC: dict[str, Any] = {
     "checkpoint": {"every_steps": EVERY, "keep": 3},
     "faults": [{"kind": "slow_rank", "rank": r, "at_step": 1, "seconds": 0.5} for r in range(DP)],
 }
-
-
-def wait_for(what: Callable[[], T | None], timeout_s: float, message: str) -> T:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = what()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout_s:g} s waiting for {message}")
-        time.sleep(0.05)
 
 
 def _digest_rank(rank: int, world: int, cfg: dict[str, Any]) -> str:
@@ -139,7 +129,7 @@ def run(kind: str, root: Path, ray_address: str | None = None) -> dict[str, Any]
     try:
         procs.append(Serve("api", env, root / "api.log", port))
         base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _up(base), 120, "the API")
+        wait_for(lambda: healthz_up(base), 120, "the API")
         headers = {"Authorization": f"Bearer {(home / 'token').read_text().strip()}"}
         api = httpx.Client(base_url=base, headers=headers, timeout=30)
 
@@ -183,13 +173,6 @@ def run(kind: str, root: Path, ray_address: str | None = None) -> dict[str, Any]
         if cluster is not None:
             cluster.shutdown()
         drop()
-
-
-def _up(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def main() -> None:

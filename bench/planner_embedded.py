@@ -17,15 +17,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
+from bench._common import healthz_up, wait_for
+
 ROOT = Path(__file__).resolve().parents[1]
-T = TypeVar("T")
 LAYOUTS: list[tuple[str, Any]] = [
     ("demo (parallelism: auto)", "auto"),
     ("DP 8", {"dp": 8}),
@@ -41,23 +40,7 @@ def spec(parallelism: Any, steps: int) -> dict[str, Any]:
             "parallelism": parallelism, "resources": {"gpus": 8}, "allow_unfit": parallelism != "auto"}
 
 
-def wait_for(what: Callable[[], T | None], timeout_s: float, message: str) -> T:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if (got := what()) is not None:
-            return got
-        time.sleep(0.5)
-    raise TimeoutError(f"timed out waiting for {message}")
-
-
-def _up(base: str) -> bool | None:
-    try:
-        return True if httpx.get(f"{base}/healthz", timeout=2).status_code == 200 else None
-    except httpx.TransportError:
-        return None
-
-
-def run(steps: int, root: Path) -> list[dict[str, Any]]:
+def run(steps: int, root: Path, layouts: list[tuple[str, Any]]) -> list[dict[str, Any]]:
     from training.parallel.dist import free_port
 
     home = root / "home"
@@ -70,14 +53,14 @@ def run(steps: int, root: Path) -> list[dict[str, Any]]:
     base = f"http://127.0.0.1:{port}"
     rows: list[dict[str, Any]] = []
     try:
-        wait_for(lambda: _up(base), 300, "lattice serve")
+        wait_for(lambda: healthz_up(base), 300, "lattice serve")
         token = (home / "token").read_text().strip()
         api = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=60)
         profile = wait_for(lambda: next(iter(api.get("/v1/cluster").json()["profiles"]), None), 300,
                            "the background calibration")
         print(f"# profile v{profile['version']}: all-reduce {_link(profile.get('all_reduce'))} within a "
               f"node, {_link(profile.get('inter_node_all_reduce'))} between nodes", flush=True)
-        for name, parallelism in LAYOUTS:
+        for name, parallelism in layouts:
             r = api.post("/v1/jobs", json=spec(parallelism, steps))
             if r.status_code >= 300:
                 raise RuntimeError(f"{name}: submit answered {r.status_code}: {r.text}")
@@ -91,6 +74,7 @@ def run(steps: int, root: Path) -> list[dict[str, Any]]:
             rows.append({"name": name, "state": job["state"], "pred": pred, "meas": meas,
                          "layout": layout, "load": os.getloadavg()[0]})
             print(_row(rows[-1]), flush=True)
+            print(_terms(perf.get("terms") or []), flush=True)
     finally:
         proc.terminate()
         try:
@@ -115,10 +99,20 @@ def _row(r: dict[str, Any]) -> str:
             f"   (load average {r['load']:.1f})")
 
 
-def report(steps: int) -> None:
+def _terms(terms: list[dict[str, Any]]) -> str:
+    """One line of the job's per-term predicted / measured ms (GET /v1/jobs/ID `performance.terms`)."""
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.0f}"
+
+    return "    " + ", ".join(f"{t['name']} {ms(t.get('predicted_s'))}/{ms(t.get('measured_s'))}"
+                              for t in terms)
+
+
+def report(steps: int, only: list[int] | None = None) -> None:
+    layouts = [LAYOUTS[i] for i in only] if only else LAYOUTS
     print(f"{'layout (8 ranks)':28s} {'pred ms':>9s} {'meas ms':>9s} {'ratio':>6s}", flush=True)
     with tempfile.TemporaryDirectory(prefix="lat-pe-") as tmp:
-        rows = run(steps, Path(tmp))
+        rows = run(steps, Path(tmp), layouts)
     within = sum(1 for r in rows if r["pred"] and r["meas"] and 0.75 <= r["meas"] / r["pred"] <= 1.25)
     print(f"# measured within +-25% of the prediction: {within}/{len(rows)} (target: all 5)")
 
@@ -126,7 +120,9 @@ def report(steps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
-    report(ap.parse_args().steps)
+    ap.add_argument("--only", default="", help="comma-separated indices into the layouts (0 = the demo)")
+    args = ap.parse_args()
+    report(args.steps, [int(i) for i in args.only.split(",") if i] or None)
 
 
 if __name__ == "__main__":

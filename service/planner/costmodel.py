@@ -285,8 +285,9 @@ class Stage:
         tensors = self.layers * per_layer + ((3 - m.tied_embeddings) if self.same_rank else 2)
         # Our ZeRO-1 steps only the tensors a rank owns (training/parallel/zero.py); FSDP2 every shard.
         owned = [tensors, shadow * tensors / fam.d, tensors, tensors]
-        return [n * eff.optimizer_tensor + p * eff.optimizer_param
-                for n, p in zip(owned, params, strict=True)]
+        # FSDP2 (ZeRO-2/3) steps DTensor shards: each tensor costs what DTensor dispatch adds (measured).
+        per_tensor = [eff.optimizer_tensor] * 2 + [eff.optimizer_tensor + eff.fsdp_optimizer_tensor] * 2
+        return [n * t + p * eff.optimizer_param for n, t, p in zip(owned, per_tensor, params, strict=True)]
 
 
 class Micro:

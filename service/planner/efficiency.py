@@ -94,6 +94,8 @@ class HardwareProfile:
     fsdp_unit: Sequence[tuple[float, float]] = ()
     ddp_step: Sequence[tuple[float, float]] = ()
     concurrency: float = 1.0
+    # Seconds FSDP2's DTensor parameters add per tensor to the optimizer step (ZeRO-2/3). 0: not measured.
+    fsdp_optimizer_tensor_s: float = 0.0
     # Seconds per step of the engine's training loop outside forward + backward, the DP reduction and the
     # optimizer step (data, integrity checks, loss summary; training/calibration/engine.py). 0: not measured.
     step_overhead_s: float = 0.0
@@ -123,6 +125,7 @@ class HardwareProfile:
             "fsdp_unit": [list(p) for p in self.fsdp_unit],
             "ddp_step": [list(p) for p in self.ddp_step],
             "concurrency": self.concurrency,
+            "fsdp_optimizer_tensor_s": self.fsdp_optimizer_tensor_s,
             "step_overhead_s": self.step_overhead_s,
             "meta": dict(self.meta),
         }
@@ -152,6 +155,7 @@ class HardwareProfile:
                 inter_node=inter,
                 tp_linear=engine["tp_linear"], fsdp_unit=engine["fsdp_unit"], ddp_step=engine["ddp_step"],
                 concurrency=max(1.0, float(doc.get("concurrency", 1.0))),
+                fsdp_optimizer_tensor_s=max(0.0, float(doc.get("fsdp_optimizer_tensor_s", 0.0))),
                 step_overhead_s=max(0.0, float(doc.get("step_overhead_s", 0.0))),
                 meta=dict(doc.get("meta", {})),
             )  # fmt: skip
@@ -259,6 +263,7 @@ class Efficiency:
         host = self.share if self.synchronous else 1.0
         self.optimizer_tensor = host * profile.optimizer_tensor_s if profile is not None else 0.0
         self.optimizer_param = host * profile.optimizer_param_s if profile is not None else 0.0
+        self.fsdp_optimizer_tensor = host * profile.fsdp_optimizer_tensor_s if profile is not None else 0.0
         self.step_overhead = host * profile.step_overhead_s if profile is not None else 0.0
         self.peak = gpu.peak_flops
         self.hbm_bw = profile.memory_bw if profile is not None and profile.memory_bw > 0 else gpu.hbm_bw

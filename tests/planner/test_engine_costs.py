@@ -136,6 +136,26 @@ def test_the_measured_optimizer_step_charges_each_tensor_and_parameter_a_rank_st
     assert _eval(lay, _profile())["optimizer"] < _eval(lay, measured)["optimizer"] / 2
 
 
+def test_fsdp2_optimizer_step_charges_what_dtensor_adds_per_tensor() -> None:
+    """ZeRO-2/3 step every DTensor shard: each tensor costs the plain per-tensor figure plus what the
+    calibration measured DTensor dispatch to add; DP and ZeRO-1 step plain tensors and are unchanged."""
+    from dataclasses import replace
+
+    per_tensor, per_param, dtensor = 40e-6, 4e-9, 300e-6
+    plain = replace(_profile(), optimizer_tensor_s=per_tensor, optimizer_param_s=per_param)
+    measured = replace(plain, fsdp_optimizer_tensor_s=dtensor)
+    assert HardwareProfile.from_dict(measured.to_dict()) == measured
+    tensors = DEMO.layers * (4 + 3 + 2) + 3 - DEMO.tied_embeddings
+    cores_share = 2 / 2  # 2 single-thread ranks on the profile's 2 cores
+    for zero in (2, 3):
+        lay = Layout(dp=2, zero_stage=zero, micro_batch_size=4, num_microbatches=1)
+        extra = _eval(lay, measured)["optimizer"] - _eval(lay, plain)["optimizer"]
+        assert extra == pytest.approx(tensors * dtensor * cores_share, rel=1e-6)
+    for lay in (Layout(dp=2, micro_batch_size=4, num_microbatches=1),
+                Layout(dp=2, zero_stage=1, micro_batch_size=4, num_microbatches=1)):
+        assert _eval(lay, measured)["optimizer"] == _eval(lay, plain)["optimizer"]
+
+
 def test_ranks_sharing_cores_fill_each_others_pipeline_bubble() -> None:
     """With dedicated devices a 1F1B pipeline idles (pp - 1) / m of its work; CPU ranks sharing cores
     run one another's work meanwhile: the step is the larger of all work at the shared rate and the

@@ -18,6 +18,8 @@ and two ranks computing at once on one host. So these are timed as the engine is
   unit per block plus the root), forward + backward, minus the same model unsharded; per unit, over
   the mean unit's parameter bytes (a 2-block model of hidden 128; above it, the extra bytes at the link's
   bandwidth).
+- `fsdp_optimizer_tensor_s`: seconds per parameter tensor that FSDP2's DTensor parameters add to the
+  optimizer step (AdamW's foreach ops dispatched through DTensor), over the same shards as plain tensors.
 - `ddp_step`: the same model under the engine's bucketed DDP (training/parallel/ddp.py, ZeRO-0), forward
   + backward + the final wait, minus the model alone; over gradient bytes.
 - `concurrency`: time of a matmul when every rank runs one at once over the time when one rank runs
@@ -167,6 +169,24 @@ def measure_fsdp_unit(world: int, repeats: int, hidden: Sequence[int] = (MODEL_H
     return out
 
 
+def measure_fsdp_optimizer(world: int, repeats: int) -> float:
+    """Seconds per parameter tensor an AdamW step over FSDP2 (DTensor) shards takes beyond the same step
+    over the same local shards as plain tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from training.parallel.fsdp import apply_fsdp
+
+    (sharded,), tokens, _, _ = _demo_like(MODEL_HIDDEN, 1)
+    apply_fsdp(sharded, init_device_mesh("cpu", (world,)), reshard_after_forward=True, device_type="cpu")
+    sharded(tokens).float().sum().backward()
+    dparams = list(sharded.parameters())
+    plain = [nn.Parameter(p.to_local().detach().clone()) for p in dparams]  # type: ignore[attr-defined]
+    for p, d in zip(plain, dparams, strict=True):
+        p.grad = d.grad.to_local().clone()  # type: ignore[union-attr]
+    steps = [torch.optim.AdamW(ps, lr=1e-3).step for ps in (dparams, plain)]
+    return _extra(steps[0], steps[1], MODEL_ITERS // 2, repeats) / len(dparams)
+
+
 def measure_ddp_step(repeats: int, hidden: Sequence[int] = (MODEL_HIDDEN,)) -> list[list[float]]:
     """[(gradient bytes, seconds the engine's bucketed DDP adds to a step's forward + backward: its
     gradient hooks and all-reduces (gloo, on the cores the ranks compute on), and the final wait)]."""
@@ -251,6 +271,7 @@ def engine_rank(rank: int, world: int, repeats: int, points: int = 2) -> dict[st
         "concurrency": measure_concurrency(rank, repeats),
         "tp_linear": measure_tp_linear(world, repeats, TP_TOKENS[:points]),
         "fsdp_unit": measure_fsdp_unit(world, repeats),
+        "fsdp_optimizer_tensor_s": measure_fsdp_optimizer(world, repeats),
         "ddp_step": measure_ddp_step(repeats),
         "step_overhead_s": measure_step_overhead(rank, world),
     }

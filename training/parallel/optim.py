@@ -94,20 +94,34 @@ def use_fused_adamw(params: list[torch.Tensor]) -> bool:
 
 
 @torch.no_grad()
+def _norm_squared(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The squared L2 norm over `grads`. Plain tensors add up one by one; DTensor gradients are grouped
+    by mesh and placements and each group's norm is reduced once (torch.nn.utils.get_total_norm's
+    stack of per-tensor norms, as torchtitan clips): a `full_tensor` per gradient issued one all-reduce
+    per parameter (the demo under ZeRO-3: 39 a step, 42 ms of a step's optimizer phase on 2 ranks)."""
+    sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    groups: dict[tuple[Any, ...], list[DTensor]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            groups.setdefault((g.device_mesh, tuple(g.placements)), []).append(g)
+        else:
+            sq = sq + torch.linalg.vector_norm(g.float()).to(sq.device) ** 2
+    for group in groups.values():
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in group]))
+        sq = sq + norm.full_tensor().to(sq.device) ** 2  # type: ignore[union-attr]
+    return sq
+
+
 def clip_grad_norm(model_parts: list[nn.Module], max_norm: float,
                    pp_group: dist.ProcessGroup | None) -> float:
     """Clip by the global L2 norm over all stages (DTensor grads reduce over their own meshes)."""
     grads = [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
-    sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    for g in grads:
-        n = torch.linalg.vector_norm(g.float())
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        sq = sq + n.to(sq.device) ** 2
+    sq = _norm_squared(grads)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(sq, group=pp_group)
     total = sq.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    scale = coef.item() if any(isinstance(g, DTensor) for g in grads) else None  # one host read
     for g in grads:
-        g.mul_(coef.to(g.device) if not isinstance(g, DTensor) else coef.item())
+        g.mul_(coef.to(g.device) if not isinstance(g, DTensor) else scale)
     return float(total)
