@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from service.planner.efficiency import Efficiency
-from service.planner.formulas import (
+from service.planner.formulas import (  # fmt: skip
     ParamCounts,
     activation_bytes_per_layer,
     block_matrices,
@@ -38,7 +38,7 @@ from service.planner.formulas import (
 )
 from service.planner.hardware import GpuType
 from service.planner.specs import ClusterSpec, TrainSpec
-from service.planner.tiers import Tier, collective, off_node, plus
+from service.planner.tiers import Tier, collective, off_node, plus, wider
 from training.config.run import shadow_conflicts
 from training.config.spec import ModelSpec
 
@@ -80,8 +80,14 @@ class Env:
         self.is_moe, self.reserve, self.capacity = model.is_moe, 1.0 * gpu.reserve_bytes, 1.0 * gpu.hbm_bytes
         self.node_tier = Tier("intra-node", *self.eff.link(gpu.nvlink_bw, gpu.intra_latency_s))
         self.rack_tier = Tier("inter-node", *self.eff.inter_link(gpu.internode_bw, gpu.inter_latency_s))
-        rack = self.rack_tier
-        self.cross_tier = Tier("inter-rack", rack.bw / cluster.oversubscription, rack.latency)
+        self.cross_tier = Tier("inter-rack", self.rack_tier.bw / cluster.oversubscription,
+                               self.rack_tier.latency)
+        over = self.eff.step_overhead  # calibrated on 2 ranks, + the loss summary's all-gather over the world
+        self.step_overhead = over and over + self.wider((("all_gather", 8.0 * self.n),), self.n, 1)
+
+    def wider(self, moves: tuple[tuple[str, float], ...], n: int, count: int) -> float:
+        """What `n` ranks add to an engine cost calibrated on the profile's (tiers.wider), as host work."""
+        return self.eff.host * wider(moves, n, self.eff.ranks, self.node_tier, count)
 
     def layer_times(self, tokens: int, tp: int, sp: bool) -> tuple[float, float, float, float]:
         """(matmuls, attention core, elementwise, LM head) seconds of one layer's forward + backward for
@@ -264,11 +270,12 @@ class Stage:
             weights, grads32 = bpp[0] * big, max(bpp[1], 4) * big
             moves = (("all_gather", weights), ("all_gather", weights), ("reduce_scatter", grads32))
             extra = off_node(moves, fam.d_shard, fam.shard_tier, env.node_tier, self.layers)
-            per_mb[3] = units * unit + extra
+            per_mb[3] = units * unit + extra + env.wider(moves, fam.d_shard, self.layers)
         ddp = env.eff.ddp_step_time(bpp[1] * big, fam.dp_tier.bw) if fam.d > 1 else None
         if ddp is not None:  # as the engine's bucketed DDP issues it
-            once[0] = ddp + off_node((("all_reduce", bpp[1] * big),), fam.d, fam.dp_tier, env.node_tier,
-                                     self.layers)
+            moves = (("all_reduce", bpp[1] * big),)
+            once[0] = ddp + off_node(moves, fam.d, fam.dp_tier, env.node_tier, self.layers) + env.wider(
+                moves, fam.d, self.layers)
 
     def _optimizer(self, big: float, expert: float) -> list[float]:
         """Seconds of the optimizer step for each ZeRO stage on the busiest rank."""
@@ -435,7 +442,7 @@ def finish(stage: Stage, combo: Combo, z: int) -> tuple[float, float]:
     """(step time in seconds, peak bytes per GPU) of one complete candidate."""
     env = stage.fam.env
     # + the training loop's own host work per step (data, checks, loss summary), as calibrated.
-    step = combo.core + dp_exposed(stage, combo, z) + stage.opt[z] + env.eff.step_overhead
+    step = combo.core + dp_exposed(stage, combo, z) + stage.opt[z] + env.step_overhead
     sf, sl = stage.state_first[z], stage.state_last[z]
     extra = stage.buffers[z] + env.reserve
     mem = max(sf[0] + sf[1] + sf[2] + combo.act_first + combo.loss_first,

@@ -260,7 +260,8 @@ class Efficiency:
         self.op_overhead = profile.op_overhead_s if profile is not None else 0.0
         # Host work timed with one rank per core (the optimizer step, the loop's own overhead): on CPU
         # ranks it is slowed by `share` as compute is.
-        host = self.share if self.synchronous else 1.0
+        self.host = host = self.share if self.synchronous else 1.0
+        self.ranks = profile.ranks if profile is not None else 2  # of the measured collectives, engine costs
         self.optimizer_tensor = host * profile.optimizer_tensor_s if profile is not None else 0.0
         self.optimizer_param = host * profile.optimizer_param_s if profile is not None else 0.0
         self.fsdp_optimizer_tensor = host * profile.fsdp_optimizer_tensor_s if profile is not None else 0.0

@@ -87,7 +87,7 @@ def build_detail(stage: Stage, micro: Micro, combo: Combo, z: int, layout: Layou
         "bubble": combo.core - m * combo.t_mb,
         "dp_exposed": dp_exposed(stage, combo, z),
         "optimizer": stage.opt[z],
-        "overhead": env.eff.step_overhead,  # data, checks, loss summary (costmodel.finish)
+        "overhead": env.step_overhead,  # data, checks, loss summary (costmodel.finish)
     }
     comm = {
         "tp": m * layers * micro.tp_bytes,

@@ -34,3 +34,13 @@ def off_node(moves: tuple[tuple[str, float], ...], n: int, tier: Tier, node: Tie
         return 0.0
     extra = sum(collective(k, b, n, tier, count)[1] - collective(k, b, n, node, count)[1] for k, b in moves)
     return max(0.0, extra)
+
+
+def wider(moves: tuple[tuple[str, float], ...], n: int, measured: int, tier: Tier, count: int) -> float:
+    """Seconds the collectives `moves` among `n` ranks take on `tier` beyond the same among the
+    `measured` ranks an engine cost was timed on (calibration: 2): more latency steps (formulas.hops)
+    and a larger share of the bytes sent (formulas.ring_bytes) than at n = 2."""
+    if n <= measured:
+        return 0.0
+    return max(0.0, sum(collective(k, b, n, tier, count)[1] - collective(k, b, measured, tier, count)[1]
+                        for k, b in moves))

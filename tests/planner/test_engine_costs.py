@@ -197,3 +197,29 @@ def test_a_measured_inter_node_tier_prices_dp_across_nodes() -> None:
     # A 10x slower link between nodes: the measured cost plus what the slower tier adds to the all-reduce.
     slow = {"all_reduce": [(b, 10 * t) for b, t in measured.collectives["all_reduce"]]}
     assert in_node < _dp4(dataclasses.replace(same, inter_node=slow), 2) < _dp4(measured, 2)
+
+
+def test_a_dp_group_wider_than_the_calibration_pays_the_extra_latency_steps_and_bytes() -> None:
+    """The engine's DDP and FSDP2 costs are timed on 2 ranks; a group of 8 (one node) adds what the ring
+    collectives of 8 take beyond those of 2: log2(8) = 3 latency steps per collective against 1, 7/4 of
+    the all-reduced bytes against 1 (tiers.wider), slowed as host work."""
+    from service.planner.costmodel import Env
+    from training.config.arithmetic import total_params
+
+    def dp(n: int, zero: int, profile: HardwareProfile) -> float:
+        lay = Layout(dp=n, zero_stage=zero, micro_batch_size=8 // n, num_microbatches=1)
+        cluster = ClusterSpec("cpu-virtual", n, gpus_per_node=8, profile=profile)
+        return evaluate(DEMO, TRAIN, cluster, lay).time_breakdown_s["dp_exposed"]
+
+    ddp = _profile(ddp_step=7e-3)
+    assert dp(2, 0, ddp) == pytest.approx(7e-3)
+    env = Env(DEMO, TRAIN, ClusterSpec("cpu-virtual", 8, gpus_per_node=8, profile=ddp))
+    grads = 4.0 * total_params(DEMO)  # fp32
+    # One all-reduce charged per layer's latency (as the inter-node tier is, costmodel._engine_dp).
+    tier = env.node_tier
+    extra = env.eff.host * (DEMO.layers * (2 * 3 - 2 * 1) * tier.latency + grads * (7 / 4 - 1) / tier.bw)
+    assert extra > 0 and dp(8, 0, ddp) == pytest.approx(7e-3 * env.eff.host + extra, rel=1e-9)
+    # ZeRO-3 too: its units' all-gathers and reduce-scatter on 8 ranks cost more than on 2.
+    fsdp = _profile(fsdp_unit=4e-3)
+    assert dp(8, 3, fsdp) > dp(2, 3, fsdp) * env.eff.host / Env(
+        DEMO, TRAIN, ClusterSpec("cpu-virtual", 2, gpus_per_node=8, profile=fsdp)).eff.host
