@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from service.planner.efficiency import Efficiency
-from service.planner.formulas import (  # fmt: skip
+from service.planner.formulas import (
     ParamCounts,
     activation_bytes_per_layer,
     block_matrices,
