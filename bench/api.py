@@ -353,6 +353,9 @@ def report(backend: str, rate: float, stats: dict[str, OpStats], cpu: tuple[floa
 PLATEAU = 0.95  # the knee: the lowest offered rate accepting this share of the best throughput measured
 
 
+WARMUP_RATE = 50.0  # req/s: well under one server process's capacity
+
+
 def knee_of(throughput: dict[float, float]) -> float:
     """Where the accepted-throughput curve flattens: the lowest offered rate whose throughput is within
     5% of the best. The best rate itself is a noisy pick along the plateau (last runs: 200 or 400 req/s
@@ -372,9 +375,14 @@ def report_knee(backend: str, throughput: dict[float, float]) -> None:
 
 
 def measure(label: str, rate: float, args: argparse.Namespace, server: tuple[Any, ...]) -> float:
-    """One rate against a fresh service: accepted requests per second (report's table rows printed)."""
+    """One rate against a fresh service: accepted requests per second (report's table rows printed).
+    The service first serves `args.warmup` seconds at a rate under its capacity, not counted: its
+    database connections open, statements compile and threads start, as in a service that has run."""
     backend, role, replicas, extra_env, workers = server
     with Service(backend, args.postgres_url, role, replicas, extra_env, workers) as service:
+        if args.warmup > 0:
+            warm = min(rate, WARMUP_RATE)
+            asyncio.run(drive(service.urls, service.token, warm, args.warmup, args.seed + 1))
         gen0, server0 = time.process_time(), service.cpu_s()
         stats = asyncio.run(drive(service.urls, service.token, rate, args.duration, args.seed))
         cpu = (time.process_time() - gen0, service.cpu_s() - server0)
@@ -396,6 +404,9 @@ def main() -> None:
         "--postgres-url", default=DEFAULT_POSTGRES, help="PostgreSQL server (a schema is created)."
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=float, default=2.0,
+                        help=f"Seconds at min(rate, {WARMUP_RATE:.0f}) req/s before each measurement, "
+                        "not counted.")
     parser.add_argument("--role", choices=["all", "api"], default=None,
                         help="`lattice serve --role` of the server (default: serve's default, all).")
     parser.add_argument("--server-env", action="append", default=[], metavar="LATTICE_X=V",

@@ -161,9 +161,12 @@ class Runtime:
     def _server_for(self, host: str, port: int) -> Any:
         import uvicorn
 
+        from service.api.shed_protocol import ShedHttpProtocol
+
         assert self.app is not None, "start() first"
         level = self.settings.log_level.lower()
-        config = uvicorn.Config(self.app, host=host, port=port, log_level=level, access_log=level == "debug")
+        config = uvicorn.Config(self.app, host=host, port=port, log_level=level, access_log=level == "debug",
+                                http=ShedHttpProtocol)
         return uvicorn.Server(config)
 
     def client_url(self, port: int | None = None) -> str:
@@ -198,6 +201,8 @@ class Runtime:
         import uvicorn
         from uvicorn.supervisors import Multiprocess
 
+        from service.api.shed_protocol import ShedHttpProtocol
+
         s = self.settings
         # Fresh (no stale counters) and on local disk (a counter increment writes to a memory-mapped
         # file: not on the home, which may be a shared network volume).
@@ -207,7 +212,7 @@ class Runtime:
         level = s.log_level.lower()
         config = uvicorn.Config(
             functools.partial(worker_app, s, metrics_dir), factory=True, host=s.host, port=s.port,
-            workers=self.workers, log_level=level, access_log=level == "debug",
+            workers=self.workers, log_level=level, access_log=level == "debug", http=ShedHttpProtocol,
             # A worker whose pong thread misses the supervisor's ping is killed with its requests in
             # flight; on a starved host that is overload, not a hang: give it longer than uvicorn's 5 s.
             timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,

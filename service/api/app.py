@@ -20,6 +20,7 @@ from service.api.overload import LoadShedMiddleware, RateLimitMiddleware
 from service.api.planning import PlanPool
 from service.api.problems import add_problem_schemas, install_problem_handlers, problem_responses
 from service.api.routes import cluster, exports, faults, health, jobs, logs, plans, tenants, tokens
+from service.api.shed_protocol import SHED_STATE
 from service.settings import Settings, get_settings
 from service.store.db import make_engine, make_session_factory
 
@@ -49,7 +50,8 @@ def create_app(
     app.add_middleware(RateLimitMiddleware, rate=settings.rate_limit_per_s, burst=settings.rate_limit_burst)
     app.add_middleware(LoadShedMiddleware, max_inflight=settings.max_inflight_requests,
                        concurrency=settings.api_threads, max_queue_wait_s=settings.max_queue_wait_ms / 1e3,
-                       threads=settings.api_thread_tokens)
+                       threads=settings.api_thread_tokens,
+                       publish=lambda shed: setattr(app.state, SHED_STATE, shed))  # for ShedHttpProtocol
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)  # outermost: before auth
     app.include_router(health.router)
     app.include_router(jobs.router)

@@ -36,17 +36,22 @@ UNGATED_PATHS = frozenset({"/v1/plans"})
 QUEUED_TIMEOUT_FACTOR = 10
 
 
-async def _problem(send: Send, status: int, title: str, detail: str, retry_after_s: float) -> None:
+Headers = list[tuple[bytes, bytes]]
+
+
+def problem(status: int, title: str, detail: str, retry_after_s: float) -> tuple[Headers, bytes]:
+    """(headers, body) of a refusal: problem+json with Retry-After in whole seconds (at least 1)."""
     body = json.dumps({"type": "about:blank", "title": title, "status": status, "detail": detail}).encode()
-    await send({
-        "type": "http.response.start",
-        "status": status,
-        "headers": [
-            (b"content-type", b"application/problem+json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"retry-after", str(max(1, math.ceil(retry_after_s))).encode()),
-        ],
-    })
+    return [
+        (b"content-type", b"application/problem+json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", str(max(1, math.ceil(retry_after_s))).encode()),
+    ], body
+
+
+async def _problem(send: Send, status: int, title: str, detail: str, retry_after_s: float) -> None:
+    headers, body = problem(status, title, detail, retry_after_s)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -74,7 +79,8 @@ class LoadShedMiddleware:
 
     def __init__(self, app: ASGIApp, max_inflight: int, concurrency: int = 0, max_queue_wait_s: float = 0.1,
                  threads: int = 0, retry_after_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 publish: Callable[[LoadShedMiddleware], None] | None = None) -> None:
         self.app = app
         self.max_inflight = max_inflight
         self.concurrency = concurrency
@@ -86,6 +92,8 @@ class LoadShedMiddleware:
         self.inflight = 0  # requests held: running or queued
         self.running = 0  # requests holding a slot
         self._waiters: deque[_Waiter] = deque()
+        if publish is not None:  # the HTTP protocol asks it before a request becomes an ASGI task
+            publish(self)
 
     @property
     def queued(self) -> int:
@@ -93,6 +101,12 @@ class LoadShedMiddleware:
 
     def oldest_wait_s(self) -> float:
         return self.clock() - self._waiters[0].since if self._waiters else 0.0
+
+    def refusal_for(self, path: str) -> str | None:
+        """Why a request for `path` arriving now is refused (None: admit it). Never refuses a probe."""
+        if path in EXEMPT_PATHS:
+            return None
+        return self._refusal(self.concurrency > 0 and path not in UNGATED_PATHS)
 
     def _refusal(self, gated: bool) -> str | None:
         if self.max_inflight <= 0:
