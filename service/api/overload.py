@@ -106,7 +106,11 @@ class LoadShedMiddleware:
         """Why a request for `path` arriving now is refused (None: admit it). Never refuses a probe."""
         if path in EXEMPT_PATHS:
             return None
-        return self._refusal(self.concurrency > 0 and path not in UNGATED_PATHS)
+        return self._refusal(self._gated(path))
+
+    def _gated(self, path: str | None) -> bool:
+        """Whether a request for `path` must hold one of the `concurrency` slots (queueing for it)."""
+        return self.concurrency > 0 and path not in UNGATED_PATHS
 
     def _refusal(self, gated: bool) -> str | None:
         if self.max_inflight <= 0:
@@ -162,7 +166,7 @@ class LoadShedMiddleware:
         if scope["type"] != "http" or scope.get("path") in EXEMPT_PATHS:
             await self.app(scope, receive, send)
             return
-        gated = self.concurrency > 0 and scope.get("path") not in UNGATED_PATHS
+        gated = self._gated(scope.get("path"))
         refusal = self._refusal(gated)
         if refusal is not None:
             await _problem(send, 503, "Service Unavailable", refusal, self.retry_after_s)

@@ -1,0 +1,42 @@
+"""bench/api.py's own arithmetic and its generator's quiet collector (the load generator must not
+charge its own garbage collection to the server's latency)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from bench import api
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_the_knee_is_where_the_curve_flattens() -> None:
+    assert api.knee_of({100: 95.0, 200: 180.0, 300: 188.0, 400: 186.0}) == 200  # 180 >= 0.95 x 188
+    assert api.knee_of({100: 100.0, 200: 150.0, 400: 190.0}) == 400
+
+
+def test_quiet_collector_pauses_cyclic_collection_for_the_run_and_collects_after() -> None:
+    assert gc.isenabled()
+    with api.quiet_collector():
+        assert not gc.isenabled()
+        assert gc.get_freeze_count() > 0  # what lived before the run is out of the collector's view
+        before = gc.get_count()[0]
+        for _ in range(5 * gc.get_threshold()[0]):  # past gen0's threshold: no collection runs
+            _Cycle()
+        assert gc.get_count()[0] > before
+        assert sum(isinstance(o, _Cycle) for o in gc.get_objects()) >= 5 * gc.get_threshold()[0]
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == 0
+    assert not any(isinstance(o, _Cycle) for o in gc.get_objects())  # the run's cycles collected
+
+
+def test_quiet_collector_restores_the_collector_when_the_run_fails() -> None:
+    with pytest.raises(RuntimeError), api.quiet_collector():
+        raise RuntimeError("the service did not start")
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == 0
