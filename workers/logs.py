@@ -9,20 +9,24 @@ Layout (under the job's folder, `<checkpoint_root>/<job_id>`, on the shared volu
 An attempt is one start of the job's ranks (numbered from 1 over the job's life, across controllers:
 the worker group takes the next free number in the folder when it launches the ranks). A rank writes
 its file from its own process (`capture_rank_output`): every write to `sys.stdout`/`sys.stderr` while
-the attempt runs (teed: Ray's worker files still get them) and every logging record at INFO or above,
-with the traceback when the training function raises. Files are flushed at every write, so the service
-reads them while the job runs, after it ends, and after a restart. Pure Python: no Ray, no torch.
+the attempt runs (teed: Ray's worker files still get them), every logging record at INFO or above,
+with the traceback when the training function raises, and what native code writes to the process's
+standard error (file descriptor 2: a C++ `terminate called after throwing ...`, a gloo or c10d error,
+the stacks faulthandler prints on a fatal signal), which is often the only trace of a rank that
+aborted. Files are flushed at every write, so the service reads them while the job runs, after it
+ends, and after a restart. Pure Python: no Ray, no torch.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import io
 import logging
 import os
 import re
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,18 +119,24 @@ class RotatingWriter:
         self._lock = threading.RLock()
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[bytes] | None = open(path, "ab")  # closed by close()
-        self._size = self._file.tell()
+        self.on_reopen: Callable[[int], None] | None = None  # called with the new file's descriptor
+
+    def fileno(self) -> int:
+        with self._lock:
+            if self._file is None:
+                raise ValueError(f"{self.path} is closed")
+            return self._file.fileno()
 
     def write(self, text: str) -> None:
         data = text.encode("utf-8", errors="replace")
         with self._lock:
             if self._file is None or not data:
                 return
-            if self._size > 0 and self._size + len(data) > self.max_bytes:
+            size = os.fstat(self._file.fileno()).st_size  # fd 2 appends to the same file too
+            if size > 0 and size + len(data) > self.max_bytes:
                 self._rotate()
             self._file.write(data)
             self._file.flush()
-            self._size += len(data)
 
     def _rotate(self) -> None:
         assert self._file is not None
@@ -140,7 +150,8 @@ class RotatingWriter:
                     os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
             os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
         self._file = open(self.path, "ab")
-        self._size = 0
+        if self.on_reopen is not None:
+            self.on_reopen(self._file.fileno())
 
     def close(self) -> None:
         with self._lock:
@@ -192,8 +203,9 @@ class _WriterHandler(logging.Handler):
 @contextmanager
 def capture_rank_output(target: LogTarget | None, rank: int) -> Iterator[RotatingWriter | None]:
     """While inside: this process's stdout/stderr writes and logging records (INFO and above) also
-    go to rank `rank`'s file of `target`'s attempt. No target (a bare worker group): nothing is kept.
-    A file that cannot be opened is logged and skipped: the rank trains without it."""
+    go to rank `rank`'s file of `target`'s attempt, and so does everything written to fd 2. No target
+    (a bare worker group): nothing is kept. A file that cannot be opened is logged and skipped: the
+    rank trains without it."""
     if target is None:
         yield None
         return
@@ -209,23 +221,66 @@ def capture_rank_output(target: LogTarget | None, rank: int) -> Iterator[Rotatin
     if root.getEffectiveLevel() > logging.INFO:
         root.setLevel(logging.INFO)
     old_out, old_err = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _Tee(old_out, writer), _Tee(old_err, writer)  # type: ignore[assignment]
-    # A fatal signal (SIGSEGV, SIGABRT, SIGBUS, ...) in native code kills the process before Python can
-    # log anything: faulthandler writes every thread's stack to the rank's file first (its own file
-    # object, so the log's rotation cannot close it under it).
-    crash, was_enabled = open(target.path(rank), "ab"), faulthandler.is_enabled()
-    faulthandler.enable(file=crash, all_threads=True)
     try:
-        yield writer
+        with _native_stderr_to(writer, old_err) as python_err:
+            sys.stdout, sys.stderr = _Tee(old_out, writer), _Tee(python_err, writer)  # type: ignore[assignment]
+            try:
+                yield writer
+            finally:
+                sys.stdout, sys.stderr = old_out, old_err
     finally:
-        faulthandler.disable()
-        if was_enabled and sys.__stderr__ is not None:  # as Ray's workers had it: to the process's stderr
-            faulthandler.enable(file=sys.__stderr__, all_threads=True)
-        crash.close()
-        sys.stdout, sys.stderr = old_out, old_err
         root.removeHandler(handler)
         root.setLevel(old_level)
         writer.close()
+
+
+_native_lock = threading.Lock()  # one redirection of fd 2 at a time in a process
+
+
+@contextmanager
+def _native_stderr_to(writer: RotatingWriter, python_err: TextIO) -> Iterator[TextIO]:
+    """While inside, file descriptor 2 is the writer's file (and follows it when it rotates), so a
+    native abort's message lands in the rank's log before the process dies; faulthandler writes
+    every thread's stack there on a fatal signal (SIGSEGV, SIGABRT, SIGBUS, ...). Yields the stream
+    Python's own stderr writes should go to besides the log: the fd 2 the process had (Ray's worker
+    file), so they are neither lost there nor written twice here. Only one rank at a time in a
+    process redirects: a second one (never in a rank actor) keeps the process's fd 2."""
+    if not _native_lock.acquire(blocking=False):
+        yield python_err
+        return
+    was_enabled = faulthandler.is_enabled()
+    try:
+        saved = os.dup(2)
+    except OSError as e:  # no fd 2 at all: nothing to redirect
+        log.warning("cannot keep native stderr in %s: %s", writer.path, e)
+        _native_lock.release()
+        yield python_err
+        return
+    original = io.TextIOWrapper(io.FileIO(saved, "w", closefd=False), encoding="utf-8",
+                                errors="backslashreplace", write_through=True)
+    try:
+        _flush(python_err)
+        os.dup2(writer.fileno(), 2)
+        writer.on_reopen = lambda fd: os.dup2(fd, 2)
+        faulthandler.enable(file=2, all_threads=True)
+        yield original
+    finally:
+        writer.on_reopen = None
+        faulthandler.disable()
+        _flush(python_err)
+        os.dup2(saved, 2)
+        original.close()
+        os.close(saved)
+        _native_lock.release()
+        if was_enabled and sys.__stderr__ is not None:  # as Ray's workers had it: to the process's stderr
+            faulthandler.enable(file=sys.__stderr__, all_threads=True)
+
+
+def _flush(stream: TextIO) -> None:
+    try:
+        stream.flush()
+    except (OSError, ValueError):
+        pass
 
 
 # ---- reading (in the service) ------------------------------------------------------------------------

@@ -77,6 +77,7 @@ def test_rank_output_and_tracebacks_are_kept_per_attempt_and_survive_a_restart(s
 
     before = {(j, r): _logs(svc, j, svc.user, rank=r).text for j in (ok_id, bad_id) for r in range(4)}
     assert "stdout-marker rank=0 seed=0" in before[(ok_id, 0)]
+    assert "native-marker rank=3" in before[(ok_id, 3)]  # what bypasses sys.stderr is kept too
     assert "RuntimeError: chatty rank 1 gives up" in before[(bad_id, 1)]
     assert "Traceback" not in before[(ok_id, 1)]
 

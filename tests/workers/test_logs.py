@@ -144,3 +144,47 @@ def test_a_rank_killed_by_a_fatal_signal_leaves_every_threads_stack_in_its_log(t
     text = rank_log_path(job_logs_dir(tmp_path), 1, 2).read_text()
     assert "step 1" in text and "Fatal Python error: Segmentation fault" in text
     assert "in train" in text  # the crashing thread's frame, named
+
+
+_ABORT = """
+import ctypes, os, sys, threading
+from pathlib import Path
+from workers.logs import LogTarget, capture_rank_output, job_logs_dir, new_attempt
+root = job_logs_dir(Path(sys.argv[1]))
+libc = ctypes.CDLL(None)
+with capture_rank_output(LogTarget(str(root), attempt=new_attempt(root), max_bytes=256), rank=0):
+    os.write(2, b"native before rotation\\n")
+    print("x" * 250, flush=True)  # past max_bytes with what fd 2 wrote: the file rotates, fd 2 follows it
+    libc.dprintf(2, b"native after rotation\\n")
+os.write(2, b"native after the attempt\\n")
+def train():
+    print("step 5", flush=True)
+    sys.stderr.write("python stderr 77\\n")
+    libc.dprintf(2, b"terminate called after throwing an instance of 'gloo::IoException'\\n")
+    libc.abort()  # as std::terminate does, from native code
+with capture_rank_output(LogTarget(str(root), attempt=new_attempt(root)), rank=6):
+    t = threading.Thread(target=train, name="lattice-rank-6")
+    t.start()
+    t.join()
+"""
+
+
+def test_what_native_code_writes_to_stderr_before_an_abort_is_in_the_ranks_log(tmp_path: Path) -> None:
+    """A C++ `terminate called ...` goes to file descriptor 2, not to sys.stderr: while a rank trains,
+    fd 2 is its log file (following rotation), so the message that says why it aborted is kept with
+    faulthandler's stacks; Python's own stderr still reaches the process's stderr, and only once the log."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _ABORT, str(tmp_path)], capture_output=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == -6, proc.stderr[-2000:]
+    logs = job_logs_dir(tmp_path)
+    first = rank_log_path(logs, 1, 0)
+    assert "native before rotation" in first.with_name(first.name + ".1").read_text()
+    assert "native after rotation" in first.read_text()
+    assert b"native after the attempt" in proc.stderr  # fd 2 is the process's again after the attempt
+    assert b"native" not in proc.stderr.replace(b"native after the attempt", b"")
+    text = "".join(p.read_text() for p in log_parts(rank_log_path(logs, 2, 6)))
+    assert "step 5" in text and "gloo::IoException" in text
+    assert text.count("python stderr 77") == 1 and b"python stderr 77" in proc.stderr
+    assert "Fatal Python error: Aborted" in text and "in train" in text
