@@ -386,15 +386,19 @@ def report_knee(backend: str, throughput: dict[float, float]) -> None:
 def quiet_collector() -> Any:
     """No cyclic garbage collection in the generator while it measures: what lives now is frozen out of
     the collector's view and automatic collections stop until the run ends (refcounting still frees
-    almost everything the requests allocate); the cycles left over are collected afterwards."""
+    almost everything the requests allocate); the cycles left over are collected afterwards, and the
+    collector is left as it was found (enabled or not; a freeze from before stays)."""
+    enabled, frozen = gc.isenabled(), gc.get_freeze_count()
     gc.collect()
     gc.freeze()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
-        gc.unfreeze()
+        if frozen == 0:  # what this froze goes back; an earlier freeze cannot be told apart, so it stays
+            gc.unfreeze()
+        if enabled:
+            gc.enable()
         gc.collect()
 
 

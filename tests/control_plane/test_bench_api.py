@@ -4,6 +4,7 @@ charge its own garbage collection to the server's latency)."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 
@@ -26,13 +27,12 @@ def test_quiet_collector_pauses_cyclic_collection_for_the_run_and_collects_after
         assert not gc.isenabled()
         assert gc.get_freeze_count() > 0  # what lived before the run is out of the collector's view
         before = gc.get_count()[0]
-        for _ in range(5 * gc.get_threshold()[0]):  # past gen0's threshold: no collection runs
-            _Cycle()
+        cycles = [weakref.ref(_Cycle()) for _ in range(5 * gc.get_threshold()[0])]  # past gen0's threshold
         assert gc.get_count()[0] > before
-        assert sum(isinstance(o, _Cycle) for o in gc.get_objects()) >= 5 * gc.get_threshold()[0]
+        assert all(ref() is not None for ref in cycles)  # unreachable, and no collection ran
     assert gc.isenabled()
     assert gc.get_freeze_count() == 0
-    assert not any(isinstance(o, _Cycle) for o in gc.get_objects())  # the run's cycles collected
+    assert all(ref() is None for ref in cycles)  # the run's cycles collected
 
 
 def test_quiet_collector_restores_the_collector_when_the_run_fails() -> None:
@@ -40,3 +40,13 @@ def test_quiet_collector_restores_the_collector_when_the_run_fails() -> None:
         raise RuntimeError("the service did not start")
     assert gc.isenabled()
     assert gc.get_freeze_count() == 0
+
+
+def test_quiet_collector_leaves_a_disabled_collector_disabled() -> None:
+    gc.disable()
+    try:
+        with api.quiet_collector():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
