@@ -10,9 +10,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 from sqlalchemy import Engine
@@ -22,20 +21,9 @@ from service import store
 from service.settings import Settings
 from service.store.leases import read_lease
 from tests.control_plane.test_two_schedulers import events, state_moves, submit
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-T = TypeVar("T")
-
-
-def wait_for(what: Callable[[], T | None], timeout_s: float, message: str) -> T:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = what()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {message}")
-        time.sleep(0.1)
 
 
 class Proc:

@@ -5,7 +5,6 @@ new one on the same database, as a restarted `lattice serve` would."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,22 +19,13 @@ from service.auth import create_token
 from service.runtime import Runtime
 from service.settings import Settings
 from tests.ray_fixture import ray_cluster
+from tests.waiting import wait_for
 from workers.controller import kill_controller
 from workers.topology import Topology
 
 __all__ = ["LiveService", "all_events", "make_service", "ray_cluster", "wait_for"]
 
 TERMINAL = ("succeeded", "failed", "cancelled")
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 def wait_for_free_gpus(n: int = 16, timeout_s: float = 60.0) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from typing import Any
 
 import pytest
@@ -14,6 +13,7 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from tests.distributed import run_ranks
+from tests.waiting import wait_for
 from training.checkpoint.checkpointer import list_checkpoints
 from training.config.layout import Layout
 from training.config.run import CheckpointConfig, RunConfig
@@ -28,16 +28,6 @@ pytestmark = pytest.mark.ray
 SPEC = ModelSpec(layers=2, hidden=32, heads=2, vocab=64, seq_len=16)
 DP2_PP2_TP2 = Layout(tp=2, pp=2, dp=2, num_microbatches=2, schedule="1f1b")
 STANDIN = "tests.workers.standin:allreduce_train"
-
-
-def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 def wait_for_free_gpus(n: int, timeout_s: float = 30.0) -> None:
