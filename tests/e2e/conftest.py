@@ -114,6 +114,28 @@ class LiveService:
         return wait_for(lambda: (lambda j: j if j["state"] in states else None)(self.job(job_id)),
                         timeout_s, f"job {job_id} to reach {states}")
 
+    def failures(self, job_id: str, events: list[dict[str, Any]] | None = None) -> str:
+        """What went wrong in a job that should have run clean ("" when nothing did): its failure
+        events, and the end of each rank's log in every attempt but the last (where a rank that
+        died says why: a traceback, or a native abort's message and faulthandler's stacks)."""
+        failed = [e for e in (events if events is not None else self.events(job_id))
+                  if e["type"] in ("failure", "restart", "restore", "error", "job_error")]
+        if not failed:
+            return ""
+        lines = [f"{e['type']}: {e['payload']}"[:1500] for e in failed]
+        index = self.api("GET", f"/v1/jobs/{job_id}/logs/index").json()
+        for attempt in index.get("attempts", [])[:-1]:
+            for rank in attempt["ranks"]:
+                where = {"rank": rank["rank"], "attempt": attempt["attempt"]}
+                text = self.api("GET", f"/v1/jobs/{job_id}/logs", params={**where, "tail": 60}).text
+                if any(m in text for m in ("Fatal Python error", "terminate called", "Check failed")):
+                    head = f"--- attempt {where['attempt']}, rank {where['rank']}:"
+                    lines.insert(len(failed), f"{head}\n{text}")
+                elif "Traceback" in text:  # a survivor that failed out of a collective: its last words
+                    last = text.rstrip().splitlines()[-1]
+                    lines.append(f"--- attempt {where['attempt']}, rank {where['rank']}: {last[:300]}")
+        return "\n".join(lines)
+
     def session(self) -> Session:
         assert self.runtime is not None and self.runtime.engine is not None
         return Session(self.runtime.engine)

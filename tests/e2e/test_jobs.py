@@ -72,6 +72,7 @@ def tp_groups_share_a_node(placement: list[dict]) -> bool:
 def test_auto_dp2_pp2_tp2_job_is_placed_across_racks_and_succeeds(svc: LiveService, auto_job: dict) -> None:
     job, events = auto_job["job"], auto_job["events"]
     assert job["state"] == "succeeded", job["error"]
+    assert not (failures := svc.failures(job["id"], events)), failures  # a clean run: no recovery
     layout = job["plan"]["layout"]
     assert (layout["tp"], layout["pp"], layout["dp"]) == (2, 2, 2)
     # where the ranks really ran, read back from the actors
