@@ -377,10 +377,6 @@ def paired_ratios(pairs: list[tuple[float, float]]) -> list[float]:
     return [four / knee if knee > 0 else 0.0 for knee, four in pairs]
 
 
-def paired_ratio(pairs: list[tuple[float, float]]) -> float:
-    return statistics.median(paired_ratios(pairs))
-
-
 def report_knee(backend: str, throughput: dict[float, float]) -> None:
     knee = knee_of(throughput)
     best = max(throughput, key=lambda rate: throughput[rate])
@@ -446,8 +442,9 @@ def sweep(
             runs[knee] += [k for k, _ in pairs]
             runs[four] = [f for _, f in pairs]
             throughput[knee], throughput[four] = statistics.median(runs[knee]), statistics.median(runs[four])
+            ratios = paired_ratios(pairs)
             print(f"{label:<10} 4x / the knee, measured back to back: "
-                  f"{', '.join(f'{r:.2f}' for r in paired_ratios(pairs))} (median {paired_ratio(pairs):.2f})")
+                  f"{', '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f})")
         if args.repeat > 1:
             for rate, values in sorted(runs.items()):
                 each = ", ".join(f"{v:.1f}" for v in values)

@@ -25,7 +25,6 @@ def test_4x_is_judged_pair_by_pair_against_the_knee_measured_beside_it() -> None
     # a slow host minute that halves both runs of the second pair leaves its ratio alone
     pairs = [(260.0, 234.0), (130.0, 117.0), (250.0, 200.0)]
     assert api.paired_ratios(pairs) == pytest.approx([0.9, 0.9, 0.8])
-    assert api.paired_ratio(pairs) == pytest.approx(0.9)
     assert api.paired_ratios([(0.0, 10.0)]) == [0.0]
 
 

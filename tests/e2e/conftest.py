@@ -128,12 +128,11 @@ class LiveService:
             for rank in attempt["ranks"]:
                 where = {"rank": rank["rank"], "attempt": attempt["attempt"]}
                 text = self.api("GET", f"/v1/jobs/{job_id}/logs", params={**where, "tail": 60}).text
+                head = f"--- attempt {where['attempt']}, rank {where['rank']}:"
                 if any(m in text for m in ("Fatal Python error", "terminate called", "Check failed")):
-                    head = f"--- attempt {where['attempt']}, rank {where['rank']}:"
                     lines.insert(len(failed), f"{head}\n{text}")
                 elif "Traceback" in text:  # a survivor that failed out of a collective: its last words
-                    last = text.rstrip().splitlines()[-1]
-                    lines.append(f"--- attempt {where['attempt']}, rank {where['rank']}: {last[:300]}")
+                    lines.append(f"{head} {text.rstrip().splitlines()[-1][:300]}")
         return "\n".join(lines)
 
     def session(self) -> Session:
