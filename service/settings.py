@@ -227,6 +227,14 @@ class Settings(BaseSettings):
     def embedded_num_gpus(self) -> int:
         return self.embedded_racks * self.embedded_nodes_per_rack * self.embedded_gpus_per_node
 
+    def node_shape(self, gpu_type: str) -> tuple[int | None, int]:
+        """(GPUs per node, nodes per rack) a plan for `gpu_type` assumes where it is not told: this
+        cluster's own for its own GPU type (as its jobs are planned), else the planner's defaults (the
+        catalogue's node size, 4 nodes a rack)."""
+        if gpu_type.lower() == self.gpu_type.lower():
+            return self.embedded_gpus_per_node, self.embedded_nodes_per_rack
+        return None, 4
+
     @property
     def api_thread_tokens(self) -> int:
         """anyio's thread limiter in an API process: a thread per slot, and spares for what holds no

@@ -22,10 +22,12 @@ from service.planner import (
     Plan,
     PlannerError,
     TrainSpec,
+    default_precision,
     get_preset,
     plan_layout,
 )
 from service.planner.layout_text import parse_layout_fields
+from service.settings import get_settings
 from training.config.layout import LayoutError
 from training.config.spec import ModelSpec, SpecError
 
@@ -71,9 +73,10 @@ def _zero_stages(text: str) -> tuple[int, ...]:
     try:
         stages = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise PlannerError(
-            f"--zero-stages must be a comma-separated list from 0,1,2,3, got {text!r}"
-        ) from None
+        stages = ()
+    if not stages or len(set(stages)) != len(stages) or not set(stages) <= {0, 1, 2, 3}:
+        raise PlannerError(f"--zero-stages must be a comma-separated list of distinct stages from 0,1,2,3, "
+                           f"got {text!r}")
     return stages
 
 
@@ -171,11 +174,13 @@ def plan_command(
     gpus: Annotated[int | None, typer.Option("--gpus", help="total GPUs")] = None,
     gpu: Annotated[str, typer.Option("--gpu", help="GPU type, e.g. H100-80GB, cpu-virtual")] = "H100-80GB",
     gpus_per_node: Annotated[int | None, typer.Option("--gpus-per-node")] = None,
-    nodes_per_rack: Annotated[int, typer.Option("--nodes-per-rack")] = 4,
+    nodes_per_rack: Annotated[int | None, typer.Option(
+        "--nodes-per-rack", help="default: the local cluster's for its GPU type (LATTICE_*), else 4")] = None,
     oversubscription: Annotated[float, typer.Option("--oversubscription")] = 1.0,
-    precision: Annotated[
-        str, typer.Option("--precision", help="fp32 | bf16_fp32_adam | bf16_fp32_master")
-    ] = "bf16_fp32_adam",
+    precision: Annotated[str | None, typer.Option(
+        "--precision", help="fp32 | bf16_fp32_adam | bf16_fp32_master (default: what a job on --gpu "
+        "trains in)")
+    ] = None,
     zero_stages: Annotated[str, typer.Option("--zero-stages", help="stages the search may use")] = "0,1,2,3",
     layout: Annotated[
         str | None,
@@ -199,14 +204,17 @@ def plan_command(
             raise PlannerError("--gpus N is required")
         stages = _zero_stages(zero_stages)
         given = parse_layout_fields(layout) if layout is not None else None
-        cluster = ClusterSpec(gpu, gpus, gpus_per_node, nodes_per_rack, oversubscription)
+        per_node, per_rack = get_settings().node_shape(gpu)  # the local cluster's, for its own GPU type
+        cluster = ClusterSpec(gpu, gpus, gpus_per_node or per_node, nodes_per_rack or per_rack,
+                              oversubscription)
         model = _model(preset, layers, hidden, heads, kv_heads, ffn, vocab, seq_len)
+        train = TrainSpec(global_batch=global_batch, seq_len=seq_len or model.seq_len,
+                          precision=precision or default_precision(cluster.gpu_type))
     except PlannerError as e:
         raise _fail(str(e), 2) from None
     except SpecError as e:  # a model shape that cannot work: refused like a request
         raise _fail(str(e), 1) from None
     try:
-        train = TrainSpec(global_batch=global_batch, seq_len=seq_len or model.seq_len, precision=precision)
         result = plan_layout(
             model, train, cluster, given, zero_stages=stages, top_k=top_k, compare_with_search=True,
             gpus_from="--gpus",

@@ -40,6 +40,8 @@ def parse_layout_fields(text: str) -> dict[str, Any]:
             raise PlannerError(
                 f"layout: unknown field {key!r}; allowed: {', '.join(sorted(known | set(_ALIASES)))}"
             )
+        if key in fields:  # tp=2,tp=4 (or zero=1,zero_stage=2): which one was meant is not ours to guess
+            raise PlannerError(f"layout.{key} is given twice in {text!r}; give it once")
         if key in _INTS:
             try:
                 fields[key] = int(value)

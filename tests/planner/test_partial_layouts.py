@@ -4,6 +4,7 @@ the nearest layout that works. The CLI and POST /v1/plans answer the same."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -22,12 +23,14 @@ from service.planner import (
     LayoutRefused,
     PlannerError,
     TrainSpec,
+    default_precision,
     get_preset,
     layout_gpus,
     plan,
     plan_layout,
 )
 from service.planner.fill import LAYOUT_FIELDS
+from service.settings import get_settings
 from training.config.layout import Layout
 from training.config.spec import ModelSpec
 from training.config.validate import check_layout_for_model
@@ -188,7 +191,12 @@ def client() -> TestClient:
 
 
 def test_cli_and_route_fill_in_the_same_layout(client: TestClient) -> None:
-    direct = plan_layout(*_specs(CASES[0]), {"tp": 2, "pp": 2}).to_dict()
+    # both fill in what the request leaves out as a job is planned: the precision a job on the GPU type
+    # trains in and, for the service's own GPU type, its node shape
+    model, train, cluster = _specs(CASES[0])
+    train = dataclasses.replace(train, precision=default_precision(cluster.gpu_type))
+    cluster = dataclasses.replace(cluster, nodes_per_rack=get_settings().node_shape(cluster.gpu_type)[1])
+    direct = plan_layout(model, train, cluster, {"tp": 2, "pp": 2}).to_dict()
     r = CliRunner().invoke(_cli, [*DEMO_ARGS, "--layout", "tp=2,pp=2"])
     assert r.exit_code == 0, r.output
     from_cli = json.loads(r.stdout)

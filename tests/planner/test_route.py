@@ -9,10 +9,13 @@ from fastapi.testclient import TestClient
 from service.api.routes.plans import router
 from service.planner import ClusterSpec, TrainSpec, get_preset, plan
 
+# Every field given: the service's own cluster and precision fill in only what a request leaves out
+# (tests/api/test_plan_defaults.py).
 DEMO = {
     "model": {"preset": "demo"},
     "global_batch": 8,
-    "cluster": {"gpu_type": "cpu-virtual", "num_gpus": 8, "gpus_per_node": 4},
+    "precision": "bf16_fp32_adam",
+    "cluster": {"gpu_type": "cpu-virtual", "num_gpus": 8, "gpus_per_node": 4, "nodes_per_rack": 4},
 }
 
 

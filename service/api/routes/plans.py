@@ -21,8 +21,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.planning import CpuBudgetExceeded, plan_pool_for, search_too_large
 from service.api.responses import ModelResponseRoute
-from service.planner import ClusterSpec, LayoutRefused, PlannerError, TrainSpec, get_preset, plan_layout
+from service.planner import (
+    ClusterSpec,
+    LayoutRefused,
+    PlannerError,
+    TrainSpec,
+    default_precision,
+    get_preset,
+    layout_gpus,
+    plan_layout,
+)
 from service.planner.efficiency import HardwareProfile
+from service.settings import Settings, get_settings
 from service.store.profiles import newest_profiles
 from training.config.hardware import find_gpu
 from training.config.layout import LayoutError
@@ -53,12 +63,20 @@ class ModelIn(BaseModel):
 
 
 class ClusterIn(BaseModel):
+    """The cluster to plan for. A field left out is this service's own (the shape its jobs are planned
+    on: `LATTICE_GPU_TYPE` and the embedded cluster's settings); `num_gpus` left out with a layout
+    given is the layout's world size, as for a job."""
+
     model_config = ConfigDict(extra="forbid")
 
-    gpu_type: str = Field(..., max_length=64, description="e.g. H100-80GB, A100-80GB, cpu-virtual")
-    num_gpus: int = Field(..., ge=1, le=1 << 20)
-    gpus_per_node: int | None = Field(None, ge=1, le=1024)
-    nodes_per_rack: int = Field(4, ge=1, le=1 << 16)
+    gpu_type: str | None = Field(None, max_length=64, description="e.g. H100-80GB, A100-80GB, cpu-virtual; "
+                                 "default: this service's GPU type")
+    num_gpus: int | None = Field(None, ge=1, le=1 << 20, description="default: the layout's world size when "
+                                 "tp, pp and dp are given, else this service's GPUs")
+    gpus_per_node: int | None = Field(None, ge=1, le=1024, description="default: this service's for its "
+                                      "own GPU type, else the catalogue's")
+    nodes_per_rack: int | None = Field(None, ge=1, le=1 << 16, description="default: this service's for its "
+                                       "own GPU type, else 4")
     oversubscription: float = Field(1.0, ge=1.0, le=1000.0, allow_inf_nan=False)
 
 
@@ -88,8 +106,10 @@ class PlanRequest(BaseModel):
     model: ModelIn
     global_batch: int = Field(..., ge=1, le=1 << 24, description="sequences per optimizer step")
     seq_len: int | None = Field(None, ge=1, le=1 << 24, description="defaults to model.seq_len")
-    precision: Literal["fp32", "bf16_fp32_adam", "bf16_fp32_master"] = "bf16_fp32_adam"
-    cluster: ClusterIn
+    precision: Literal["fp32", "bf16_fp32_adam", "bf16_fp32_master"] | None = Field(
+        None, description="default: what a job on that GPU type trains in (fp32 on cpu-virtual, else "
+        "bf16_fp32_adam)")
+    cluster: ClusterIn = Field(default_factory=ClusterIn, description="default: this service's cluster")
     zero_stages: list[int] | None = Field(
         None, min_length=1, max_length=4, description="stages the search may use"
     )
@@ -116,18 +136,38 @@ def build_model(body: ModelIn) -> ModelSpec:
     return ModelSpec(**fields)
 
 
-def plan_from_request(body: PlanRequest, profile: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The Plan dict for a request (with the measured `profile` document of its GPU type, if any);
-    raises PlannerError / SpecError / LayoutError on bad values."""
-    model = build_model(body.model)
-    train = TrainSpec(
-        global_batch=body.global_batch, seq_len=body.seq_len or model.seq_len, precision=body.precision
-    )
+def filled_cluster(body: PlanRequest, settings: Settings) -> ClusterIn:
+    """The request's cluster with what it leaves out filled in as a job of this service is planned
+    (service.api.operations.plan_job): its GPU type; its GPUs, or the world size of a layout that
+    gives tp, pp and dp; its node shape for its own GPU type, else the planner's defaults
+    (`Settings.node_shape`, as `lattice plan` does)."""
     c = body.cluster
-    measured = HardwareProfile.from_dict(profile) if profile is not None else None
-    cluster = ClusterSpec(
-        c.gpu_type, c.num_gpus, c.gpus_per_node, c.nodes_per_rack, c.oversubscription, profile=measured
+    gpu_type = c.gpu_type or settings.gpu_type
+    num_gpus = c.num_gpus
+    if num_gpus is None and body.layout is not None:
+        num_gpus = layout_gpus(build_model(body.model), body.layout.model_dump(exclude_none=True),
+                               body.global_batch, 0) or None
+    gpus_per_node, nodes_per_rack = settings.node_shape(gpu_type)
+    return ClusterIn(
+        gpu_type=gpu_type, num_gpus=num_gpus or settings.embedded_num_gpus,
+        gpus_per_node=c.gpus_per_node or gpus_per_node, nodes_per_rack=c.nodes_per_rack or nodes_per_rack,
+        oversubscription=c.oversubscription,
     )
+
+
+def plan_from_request(body: PlanRequest, profile: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Plan dict for a request whose cluster is filled in (`filled_cluster`), with the measured
+    `profile` document of its GPU type, if any; raises PlannerError / SpecError / LayoutError on bad
+    values."""
+    model = build_model(body.model)
+    c = body.cluster
+    if c.gpu_type is None or c.num_gpus is None:
+        raise PlannerError("cluster.gpu_type and cluster.num_gpus must be filled in before planning")
+    measured = HardwareProfile.from_dict(profile) if profile is not None else None
+    cluster = ClusterSpec(c.gpu_type, c.num_gpus, c.gpus_per_node, c.nodes_per_rack or 4, c.oversubscription,
+                          profile=measured)
+    train = TrainSpec(global_batch=body.global_batch, seq_len=body.seq_len or model.seq_len,
+                      precision=body.precision or default_precision(cluster.gpu_type))
     given = body.layout.model_dump(exclude_none=True) if body.layout is not None else None
     zero_stages = tuple(body.zero_stages) if body.zero_stages is not None else (0, 1, 2, 3)
     return plan_layout(model, train, cluster, given, zero_stages=zero_stages, top_k=body.top_k).to_dict()
@@ -162,7 +202,12 @@ async def create_plan(
     """The search runs in the planning pool (service.api.planning), never on the event loop. A GPU type
     with a measured profile (`lattice calibrate`) is planned with its newest one."""
     pool = plan_pool_for(request.app.state)
-    gpu = find_gpu(body.cluster.gpu_type)
+    settings = getattr(request.app.state, "settings", None) or get_settings()  # a bare router: the defaults
+    try:
+        body = body.model_copy(update={"cluster": filled_cluster(body, settings)})
+    except (PlannerError, SpecError, LayoutError) as e:  # a model or layout the fill cannot read
+        raise fastapi.HTTPException(status_code=422, detail=str(e)) from e
+    gpu = find_gpu(body.cluster.gpu_type or "")
     profile = profiles.get(gpu.name) if gpu is not None else None
     try:
         ok, value = await pool.run(plan_outcome, body, profile)
