@@ -34,6 +34,7 @@ _UNION_TAGS = {
     ("model", "explicit"),
     ("parallelism", "auto"),
     ("parallelism", "layout"),
+    ("parallelism", "line"),
 }
 _LOCATIONS = {"body", "query", "path", "header", "cookie"}
 # A message that starts with a field path names the field better than the location of the validator.

@@ -89,7 +89,9 @@ class JobSpec(StrictModel):
     data: DataSpec = Field(default_factory=DataSpec, description="Training data.")
     train: TrainConfig = Field(description="Optimisation settings.")
     parallelism: ParallelismField = Field(
-        "auto", description="'auto' lets the planner choose the layout, or an explicit layout."
+        "auto", description="'auto' lets the planner choose the layout; or any subset of a layout's fields, "
+        "as an object or as the layout line `lattice plan` prints (e.g. 'tp=2,pp=4,dp=1,zero=1,mbs=1,m=8,"
+        "schedule=1f1b,sp'); the planner fills in the rest."
     )
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="GPU request.")
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy, description="Checkpoint policy.")

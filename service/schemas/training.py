@@ -3,9 +3,11 @@ and fault-tolerance policies."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     Discriminator,
     Field,
     Tag,
@@ -122,6 +124,21 @@ class LayoutSpec(StrictModel):
         "replicate across groups), so a lost rank recovers from a peer without rollback.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, data: Any) -> Any:
+        """A layout written as text, e.g. the layout line `lattice plan` prints
+        (`tp=2,pp=4,dp=1,zero=1,mbs=1,m=8,schedule=1f1b,sp`): its fields, stored as an object."""
+        if not isinstance(data, str):
+            return data
+        from service.planner import PlannerError
+        from service.planner.layout_text import parse_layout_fields
+
+        try:
+            return parse_layout_fields(data)
+        except PlannerError as e:
+            raise ValueError(str(e).replace("layout.", "").replace("layout: ", "")) from e
+
     def given(self) -> dict[str, Any]:
         """The fields that were given (unset and null ones left out)."""
         return self.model_dump(exclude_none=True)
@@ -132,15 +149,40 @@ class LayoutSpec(StrictModel):
 
 
 def _parallelism_kind(value: Any) -> str:
-    return "auto" if isinstance(value, str) else "layout"
+    if isinstance(value, str):
+        return "auto" if value == "auto" else "line"
+    return "layout"
 
+
+# A layout line: `name=value` (or a bare flag such as `sp`), comma-separated (LayoutSpec._from_text).
+LAYOUT_LINE = r"^\s*[A-Za-z_]+\s*(=[^,]*)?(\s*,\s*[A-Za-z_]+\s*(=[^,]*)?)*\s*,?\s*$"
+
+
+def _layout_line(text: str) -> LayoutSpec:
+    # no `=` at all is more likely a misspelt 'auto' than a line of bare flags (only sp is one)
+    flags_only = "=" not in text and text.strip() not in ("sp", "sequence_parallel")
+    if flags_only or not re.fullmatch(LAYOUT_LINE, text):
+        raise ValueError("give 'auto', a layout object or a layout line of comma-separated name=value "
+                         "fields, such as 'tp=2,pp=2'")
+    return LayoutSpec.model_validate(text)
+
+
+LayoutLine = Annotated[
+    str,
+    Field(max_length=512, json_schema_extra={"pattern": LAYOUT_LINE},
+          description="The layout line `lattice plan` prints, e.g. 'tp=2,pp=4,dp=1,zero=1,mbs=1,m=8,"
+          "schedule=1f1b,sp': its fields, as a layout object."),
+    AfterValidator(_layout_line),
+]
 
 ParallelismField = Annotated[
-    Annotated[Literal["auto"], Tag("auto")] | Annotated[LayoutSpec, Tag("layout")],
+    Annotated[Literal["auto"], Tag("auto")] | Annotated[LayoutSpec, Tag("layout")]
+    | Annotated[LayoutLine, Tag("line")],
     Discriminator(
         _parallelism_kind,
         custom_error_type="parallelism_kind",
-        custom_error_message="parallelism must be 'auto' or a layout object",
+        custom_error_message="parallelism must be 'auto', a layout object or a layout line such as "
+        "'tp=2,pp=2'",
     ),
 ]
 

@@ -156,3 +156,33 @@ def test_the_scheduler_replans_a_partial_layout_keeping_its_fields(
     assert plan["cluster"] == {"gpu_type": "cpu-virtual", "num_gpus": 8}
     assert (plan["layout"]["tp"], plan["layout"]["pp"], plan["layout"]["dp"]) == (2, 2, 2)
     assert plan["given"] == {"tp": 2, "pp": 2, "dp": 2} and plan["layout"]["schedule"] != "none"
+
+
+def test_a_plans_layout_line_pasted_as_parallelism_runs_that_layout(
+    client: TestClient, tokens: dict[str, str]
+) -> None:
+    from service.planner.result import describe
+
+    planned = client.post("/v1/plans", json={"model": {"preset": "demo"}, "global_batch": 8},
+                          headers=bearer(tokens["a"]))
+    assert planned.status_code == 200, planned.text
+    line = describe(Layout.from_dict(planned.json()["layout"]))  # what `lattice plan` prints
+    r = client.post("/v1/jobs", json=demo_job(line), headers=bearer(tokens["a"]))
+    assert r.status_code == 201, r.text
+    assert r.json()["plan"]["layout"] == planned.json()["layout"]
+    stored = r.json()["spec"]["parallelism"]  # stored as the object, so the scheduler reads it as ever
+    assert isinstance(stored, dict) and stored["tp"] == planned.json()["layout"]["tp"]
+    partial = client.post("/v1/jobs", json=demo_job("tp=2,pp=2"), headers=bearer(tokens["a"]))
+    assert partial.status_code == 201, partial.text
+    assert partial.json()["plan"]["given"] == {"tp": 2, "pp": 2}
+
+
+@pytest.mark.parametrize("line, needle", [("tp=abc", "tp must be an integer"), ("tp=2,tp=4", "given twice"),
+                                          ("bogus=1", "unknown field 'bogus'"), ("  ", "layout line"),
+                                          ("schedule=sideways", "parallelism.schedule")])
+def test_a_bad_layout_line_is_a_422_naming_parallelism(
+    client: TestClient, tokens: dict[str, str], line: str, needle: str
+) -> None:
+    r = client.post("/v1/jobs", json=demo_job(line), headers=bearer(tokens["a"]))
+    assert r.status_code == 422, r.text
+    assert needle in r.json()["detail"] and "parallelism" in r.json()["detail"], r.text
