@@ -9,7 +9,7 @@ commands exit 1 when the server refuses a request).
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -24,10 +24,11 @@ from service.planner import (
     TrainSpec,
     default_precision,
     get_preset,
+    layout_gpus,
     plan_layout,
 )
 from service.planner.layout_text import parse_layout_fields
-from service.settings import get_settings
+from service.settings import Settings, get_settings
 from training.config.layout import LayoutError
 from training.config.spec import ModelSpec, SpecError
 
@@ -67,6 +68,20 @@ def _model(
         kv_heads=kv_heads,
         ffn=ffn,
     )
+
+
+def _gpus_left_out(model: ModelSpec, given: dict[str, Any] | None, global_batch: int, gpu: str,
+                   settings: Settings) -> int:
+    """--gpus when it is not given, as a job's GPU count is filled in (service.api.operations.plan_job):
+    the world size of a --layout that gives tp, pp and dp, else the local cluster's GPUs for its own GPU
+    type (LATTICE_GPU_TYPE, the embedded shape); PlannerError when neither says."""
+    gpus = layout_gpus(model, given, global_batch, 0) if given else 0
+    if not gpus and gpu.lower() == settings.gpu_type.lower():
+        gpus = settings.embedded_num_gpus
+    if not gpus:
+        raise PlannerError(f"--gpus N is required for {gpu} (the local cluster is {settings.gpu_type}), or a "
+                           "--layout that gives tp, pp and dp")
+    return gpus
 
 
 def _zero_stages(text: str) -> tuple[int, ...]:
@@ -171,7 +186,9 @@ def plan_command(
     vocab: Annotated[int | None, typer.Option("--vocab")] = None,
     seq_len: Annotated[int | None, typer.Option("--seq-len", help="defaults to the model's")] = None,
     global_batch: Annotated[int | None, typer.Option("--global-batch", help="sequences per step")] = None,
-    gpus: Annotated[int | None, typer.Option("--gpus", help="total GPUs")] = None,
+    gpus: Annotated[int | None, typer.Option(
+        "--gpus", help="total GPUs (default: a --layout's tp x pp x dp x cp, else the local cluster's "
+        "for its GPU type)")] = None,
     gpu: Annotated[str, typer.Option("--gpu", help="GPU type, e.g. H100-80GB, cpu-virtual")] = "H100-80GB",
     gpus_per_node: Annotated[int | None, typer.Option("--gpus-per-node")] = None,
     nodes_per_rack: Annotated[int | None, typer.Option(
@@ -200,14 +217,14 @@ def plan_command(
     try:  # usage: what the flags say cannot be read
         if global_batch is None:
             raise PlannerError("--global-batch N is required (sequences per optimizer step)")
-        if gpus is None:
-            raise PlannerError("--gpus N is required")
         stages = _zero_stages(zero_stages)
         given = parse_layout_fields(layout) if layout is not None else None
-        per_node, per_rack = get_settings().node_shape(gpu)  # the local cluster's, for its own GPU type
+        model = _model(preset, layers, hidden, heads, kv_heads, ffn, vocab, seq_len)
+        settings = get_settings()
+        gpus = gpus or _gpus_left_out(model, given, global_batch, gpu, settings)
+        per_node, per_rack = settings.node_shape(gpu)  # the local cluster's, for its own GPU type
         cluster = ClusterSpec(gpu, gpus, gpus_per_node or per_node, nodes_per_rack or per_rack,
                               oversubscription)
-        model = _model(preset, layers, hidden, heads, kv_heads, ffn, vocab, seq_len)
         train = TrainSpec(global_batch=global_batch, seq_len=seq_len or model.seq_len,
                           precision=precision or default_precision(cluster.gpu_type))
     except PlannerError as e:

@@ -164,3 +164,22 @@ def test_a_plans_layout_line_parses_back_to_the_same_layout():
     assert p.layout.virtual_stages > 1
     assert parse_layout(describe(p.layout)) == p.layout
     assert parse_layout_fields("tp=2,pp=2,sp") == {"tp": 2, "pp": 2, "sequence_parallel": True}
+
+
+def test_gpus_left_out_come_from_the_layout_or_the_local_cluster():
+    from service.planner import default_precision
+    from service.settings import get_settings
+
+    local = get_settings()
+    demo = ["plan", "--preset", "demo", "--global-batch", "8", "--gpu", local.gpu_type, "--json"]
+    r = runner.invoke(app, demo)
+    assert r.exit_code == 0, r.output
+    body = json.loads(r.stdout)
+    assert body["cluster"]["num_gpus"] == local.embedded_num_gpus  # the local cluster, as a job is planned
+    assert body["train"]["precision"] == default_precision(local.gpu_type)  # what a job on it trains in
+    r = runner.invoke(app, ["plan", "--preset", "llama3-8b", "--global-batch", "512",
+                            "--layout", "tp=8,pp=2,dp=4", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["cluster"] == {"gpu_type": "H100-80GB", "num_gpus": 64}
+    r = runner.invoke(app, ["plan", "--preset", "llama3-8b", "--global-batch", "512", "--gpu", "A100-80GB"])
+    assert r.exit_code == 2 and "--gpus N is required for A100-80GB" in r.stderr, r.output
