@@ -221,7 +221,8 @@ def plan_command(
         given = parse_layout_fields(layout) if layout is not None else None
         model = _model(preset, layers, hidden, heads, kv_heads, ffn, vocab, seq_len)
         settings = get_settings()
-        gpus = gpus or _gpus_left_out(model, given, global_batch, gpu, settings)
+        if gpus is None:
+            gpus = _gpus_left_out(model, given, global_batch, gpu, settings)
         per_node, per_rack = settings.node_shape(gpu)  # the local cluster's, for its own GPU type
         cluster = ClusterSpec(gpu, gpus, gpus_per_node or per_node, nodes_per_rack or per_rack,
                               oversubscription)

@@ -77,3 +77,9 @@ def test_a_bad_model_without_a_cluster_is_a_422_naming_the_field(
                                        "layout": {"tp": 2, "pp": 2, "dp": 2}}, headers=bearer(tokens["a"]))
     assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json")
     assert "model.preset" in r.json()["detail"], r.text
+
+
+def test_an_empty_gpu_type_is_refused_not_defaulted(client: TestClient, tokens: dict[str, str]) -> None:
+    r = client.post("/v1/plans", json={"model": {"preset": "demo"}, "global_batch": 8,
+                                       "cluster": {"gpu_type": ""}}, headers=bearer(tokens["a"]))
+    assert r.status_code == 422 and "gpu_type" in r.json()["detail"], r.text

@@ -140,6 +140,7 @@ def test_layout_evaluates_instead_of_searching():
         ([*DEMO, "--zero-stages", "0,x"], "--zero-stages"),
         ([*DEMO, "--layout", "tp=2,bogus=1"], "bogus"),
         ([*DEMO, "--layout", "tp=2,tp=4"], "layout.tp is given twice"),
+        (["plan", "--preset", "demo", "--global-batch", "8", "--gpus", "0"], "cluster.num_gpus"),
         ([*DEMO, "--zero-stages", "7"], "--zero-stages"),
         ([*DEMO, "--precision", "x"], "train.precision"),
         ([*DEMO, "--seq-len", "-5"], "train.seq_len"),

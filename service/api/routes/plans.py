@@ -142,7 +142,7 @@ def filled_cluster(body: PlanRequest, settings: Settings) -> ClusterIn:
     gives tp, pp and dp; its node shape for its own GPU type, else the planner's defaults
     (`Settings.node_shape`, as `lattice plan` does)."""
     c = body.cluster
-    gpu_type = c.gpu_type or settings.gpu_type
+    gpu_type = c.gpu_type if c.gpu_type is not None else settings.gpu_type
     num_gpus = c.num_gpus
     if num_gpus is None and body.layout is not None:
         num_gpus = layout_gpus(build_model(body.model), body.layout.model_dump(exclude_none=True),
