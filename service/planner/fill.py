@@ -10,7 +10,9 @@
   even where the search would not choose it for speed); the fastest wins, and the reasons say what
   was chosen for each field that was not given and why;
 - when no layout keeps them all, `LayoutRefused` gives the reason and the nearest layout that works:
-  the fastest plan that keeps the most given fields.
+  the fastest plan that keeps the most given fields, with each numeric field it could not keep
+  moved to the nearest value that works (a refused tp=3 suggests tp=4 or tp=2, not whatever degree
+  the unconstrained search finds fastest).
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ DEGREES: tuple[str, ...] = ("tp", "cp", "pp", "dp")
 # Constrained searches one refusal may run to find the nearest working layout (each drops a
 # different set of given fields); beyond it the nearest is the unconstrained plan.
 MAX_NEAREST_SEARCHES = 48
+# Numeric fields a refusal moves to the nearest working value, and the values tried per field.
+_MOVABLE: tuple[str, ...] = ("tp", "cp", "pp", "dp", "ep", "dp_replicate", "micro_batch_size",
+                             "num_microbatches", "virtual_stages")
+MAX_MOVE_TRIES = 4
 _FAST = "the fastest predicted"
 _ALLOWED: dict[str, tuple[Any, ...]] = {
     "zero_stage": (0, 1, 2, 3),
@@ -53,14 +59,19 @@ _ALLOWED: dict[str, tuple[Any, ...]] = {
 
 
 class LayoutRefused(PlannerError):
-    """A partial layout no layout can keep: `reason`, and `nearest` (a Plan keeping `kept`) or None."""
+    """A partial layout no layout can keep: `reason`, and `nearest` (a Plan keeping `kept`, with the
+    given fields in `moved` changed to the nearest values that work) or None."""
 
-    def __init__(self, reason: str, given: dict[str, Any], nearest: Plan | None, kept: tuple[str, ...]):
+    def __init__(self, reason: str, given: dict[str, Any], nearest: Plan | None, kept: tuple[str, ...],
+                 moved: Mapping[str, int] | None = None):
         self.reason, self.given, self.nearest, self.kept = reason, given, nearest, kept
+        self.moved = dict(moved or {})
         msg = f"{given_text(given)} cannot work: {reason}"
         if nearest is not None:
             keeps = given_text({k: given[k] for k in kept}) if kept else "none of the given fields"
-            msg += f"; the nearest layout that works is {describe(nearest.layout)} (keeps {keeps})"
+            moves = "".join(f"; {k}={v} is the nearest to {given[k]} that works"
+                            for k, v in self.moved.items())
+            msg += f"; the nearest layout that works is {describe(nearest.layout)} (keeps {keeps}{moves})"
         else:
             msg += "; no layout works on this cluster at this global batch"
         super().__init__(msg)
@@ -163,7 +174,10 @@ def plan_layout(
             return result
     if search.best is None:
         nearest, kept = _nearest(env, fields, zs)
-        raise LayoutRefused(_why_not(env, fields, nearest, gpus_from, search), fields, nearest, kept)
+        moved: dict[str, int] = {}
+        if nearest is not None:
+            nearest, moved = _move_closer(env, fields, kept, nearest, zs)
+        raise LayoutRefused(_why_not(env, fields, nearest, gpus_from, search), fields, nearest, kept, moved)
     result = plan_from_search(env, search, searched, top_k)
     result.reasons = chosen_reasons(env, fields, result.layout) + result.reasons
     result.given = fields
@@ -224,6 +238,39 @@ def _nearest(env: Env, fields: dict[str, Any], zs: Sequence[int]) -> tuple[Plan 
         return plan(env.model, env.train, env.cluster, zero_stages=zs, top_k=0), ()
     except PlannerError:
         return None, ()
+
+
+def _closest(env: Env, name: str, value: int) -> list[int]:
+    """Values of `name` other than `value` that may work, nearest to it first (by ratio; ties: the
+    smaller): divisors of the GPU count for degrees, of the global batch for micro-batching, of the
+    layer count for virtual stages."""
+    totals = {"micro_batch_size": env.g, "num_microbatches": env.g, "virtual_stages": env.model.layers}
+    total = totals.get(name, env.n)
+    small = [d for d in range(1, math.isqrt(total) + 1) if total % d == 0]
+    divisors = set(small) | {total // d for d in small}
+    divisors.discard(value)
+    return sorted(divisors, key=lambda c: (abs(math.log(c / value)), c))
+
+
+def _move_closer(env: Env, fields: Mapping[str, Any], kept: Sequence[str], nearest: Plan,
+                 zs: Sequence[int]) -> tuple[Plan, dict[str, int]]:
+    """`nearest` with each numeric given field it does not keep moved, in the given order, to the
+    value nearest the given one that still works with the kept fields (and the fields moved before
+    it); (the plan, {field: value moved to}). At most MAX_MOVE_TRIES searches per field."""
+    fixed = {k: fields[k] for k in kept}
+    moved: dict[str, int] = {}
+    for name, value in fields.items():
+        if name in kept or name not in _MOVABLE:
+            continue
+        for candidate in _closest(env, name, value)[:MAX_MOVE_TRIES]:
+            try:
+                p = _constrained(env, {**fixed, **moved, name: candidate}, zs, 0)
+            except PlannerError:  # this search space is too large: keep the nearest found so far
+                break
+            if p is not None:
+                nearest, moved[name] = p, candidate
+                break
+    return nearest, moved
 
 
 def _runnable_error(env: Env, layout: Layout, gpus_from: str) -> str | None:

@@ -232,7 +232,9 @@ def test_a_given_dp_replicate_that_cannot_work_is_named() -> None:
     msg = str(e.value)
     assert "dp_replicate (3) must divide dp (4)" in msg
     assert e.value.nearest is not None and e.value.nearest.layout.dp == 4 and "dp" in e.value.kept
-    assert e.value.nearest.layout.dp_replicate == 1
+    # dp_replicate moves to the nearest value that works with dp=4 (shard groups of one rank).
+    assert e.value.nearest.layout.dp_replicate == 4 and e.value.moved == {"dp_replicate": 4}
+    assert "dp_replicate=4 is the nearest to 3 that works" in msg
     with pytest.raises(PlannerError, match="dp_replicate > 1 needs zero_stage 2 or 3"):
         plan_layout(*_gpt2(), {"dp_replicate": 2, "zero_stage": 1})
 

@@ -143,6 +143,23 @@ def test_an_impossible_combination_names_the_reason_and_the_nearest_layout(
     assert f"the nearest layout that works is {nearest.describe()}" in str(e)
 
 
+@pytest.mark.parametrize("given,moved", [({"pp": 3}, {"pp": 4}), ({"dp": 5}, {"dp": 4}),
+                                         ({"tp": 2, "pp": 3}, {"pp": 4}), ({"tp": 3}, {"tp": 2})])
+def test_a_refused_degree_moves_to_the_nearest_value_that_works(given: dict, moved: dict) -> None:
+    # The fastest layout here is TP 2 x PP 2 x DP 2, which a refusal used to suggest whatever was
+    # given: pp=3 now suggests pp=4 and dp=5 dp=4. tp=4 (nearer to 3) cannot divide the 2 KV heads.
+    model, train, cluster = _specs(CASES[0])
+    assert (plan(model, train, cluster).layout.pp, plan(model, train, cluster).layout.dp) == (2, 2)
+    with pytest.raises(LayoutRefused) as info:
+        plan_layout(model, train, cluster, given)
+    e = info.value
+    assert e.moved == moved
+    assert all(getattr(e.nearest.layout, k) == v for k, v in {**given, **moved}.items())
+    _assert_runnable(model, train, cluster, e.nearest.layout)
+    name, value = next(iter(moved.items()))
+    assert f"{name}={value} is the nearest to {given[name]} that works" in str(e)
+
+
 def test_allow_unfit_completes_a_partial_layout_that_fits_nowhere_and_says_it_does_not_fit() -> None:
     # TP 2 x DP 4 at ZeRO-0 is over the cpu-virtual GPU's memory at every micro-batch and recompute.
     model, train, cluster = _specs(CASES[0])
