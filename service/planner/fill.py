@@ -69,8 +69,8 @@ class LayoutRefused(PlannerError):
         msg = f"{given_text(given)} cannot work: {reason}"
         if nearest is not None:
             keeps = given_text({k: given[k] for k in kept}) if kept else "none of the given fields"
-            moves = "".join(f"; {k}={v} is the nearest to {given[k]} that works"
-                            for k, v in self.moved.items())
+            moves = ", ".join(f"{k}={v} (given {given[k]})" for k, v in self.moved.items())
+            moves = f"; the nearest values that work: {moves}" if moves else ""
             msg += f"; the nearest layout that works is {describe(nearest.layout)} (keeps {keeps}{moves})"
         else:
             msg += "; no layout works on this cluster at this global batch"

@@ -79,7 +79,7 @@ def test_an_impossible_layout_is_a_422_naming_parallelism_and_the_nearest(
     message = {e["field"]: e["message"] for e in problem["errors"]}["parallelism"]
     assert "tp=4,pp=2 cannot work: parallelism.tp (4) must divide model.kv_heads (2)" in message
     assert "the nearest layout that works is tp=2,pp=2,dp=2" in message
-    assert "(keeps pp=2; tp=2 is the nearest to 4 that works)" in message
+    assert "(keeps pp=2; the nearest values that work: tp=2 (given 4))" in message
     assert "parallelism" in problem["detail"]
     assert client.get("/v1/jobs", headers=bearer(tokens["a"])).json()["items"] == []  # nothing stored
 

@@ -234,7 +234,7 @@ def test_a_given_dp_replicate_that_cannot_work_is_named() -> None:
     assert e.value.nearest is not None and e.value.nearest.layout.dp == 4 and "dp" in e.value.kept
     # dp_replicate moves to the nearest value that works with dp=4 (shard groups of one rank).
     assert e.value.nearest.layout.dp_replicate == 4 and e.value.moved == {"dp_replicate": 4}
-    assert "dp_replicate=4 is the nearest to 3 that works" in msg
+    assert "the nearest values that work: dp_replicate=4 (given 3))" in msg
     with pytest.raises(PlannerError, match="dp_replicate > 1 needs zero_stage 2 or 3"):
         plan_layout(*_gpt2(), {"dp_replicate": 2, "zero_stage": 1})
 

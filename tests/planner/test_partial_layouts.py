@@ -157,7 +157,7 @@ def test_a_refused_degree_moves_to_the_nearest_value_that_works(given: dict, mov
     assert all(getattr(e.nearest.layout, k) == v for k, v in {**given, **moved}.items())
     _assert_runnable(model, train, cluster, e.nearest.layout)
     name, value = next(iter(moved.items()))
-    assert f"{name}={value} is the nearest to {given[name]} that works" in str(e)
+    assert f"the nearest values that work: {name}={value} (given {given[name]}))" in str(e)
 
 
 def test_allow_unfit_completes_a_partial_layout_that_fits_nowhere_and_says_it_does_not_fit() -> None:
