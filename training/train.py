@@ -33,6 +33,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -66,10 +67,12 @@ from training.parallel.optim import (
     no_grad_sync,
 )
 from training.parallel.parallelize import parallelize
-from training.parallel.pipeline import Pipeline, build_pipeline
 from training.parallel.precision import masters_in_place, with_masters
 from training.parallel.wrapping import unwrap
 from training.phase_timer import PhaseTimer
+
+if TYPE_CHECKING:  # imported where used: torch.distributed.pipelining brings torch._dynamo (~0.7 s a process)
+    from training.parallel.pipeline import Pipeline
 
 __all__ = ["Action", "StepInfo", "TrainHooks", "TrainResult", "Trainer", "train"]
 
@@ -90,6 +93,8 @@ class Trainer:
         self.dp_group = self.dims.replica_group()
         self.pipeline: Pipeline | None = None
         if layout.pp > 1:
+            from training.parallel.pipeline import build_pipeline
+
             self.pipeline = build_pipeline(cfg.model, cfg, self.dims, ctx.device)
             self.modules: list[nn.Module] = list(self.pipeline.modules)
         else:
