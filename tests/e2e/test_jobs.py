@@ -1,7 +1,8 @@
 """A job through the whole service on the shared Ray cluster: submit over HTTP, plan (`auto`), admit,
 place across racks, train on 8 virtual GPUs, checkpoint, succeed; the same job with an explicit
 layout and the training engine run directly agree bit for bit; a service restart (re-attach to a
-live controller, then recovery of a lost one) still finishes the job once, with the same digest."""
+live controller, then recovery of a lost one) still finishes the job once, with the same digest (a
+job whose parallelism gives only tp, pp and dp: the planner fills in the auto job's layout)."""
 
 from __future__ import annotations
 
@@ -134,11 +135,16 @@ def test_service_restarts_reattach_then_recover_and_the_job_finishes_once(
     wait_for_free_gpus()
     home = tmp_path_factory.mktemp("restart") / "home"
     svc = make_service(ray_cluster, home, fault_injection=True)
-    # slow_rank keeps the job running long enough to stop the service twice (it does not change the math)
-    spec = {**copy.deepcopy(SPEC), "name": "e2e-restart",
+    # slow_rank keeps the job running long enough to stop the service twice (it does not change the
+    # math). Its parallelism gives only the degrees of the auto job's layout: the planner fills in
+    # the rest (schedule, micro-batches, ZeRO, recompute) as the search chose them for the auto job.
+    spec = {**copy.deepcopy(SPEC), "name": "e2e-restart", "parallelism": {"tp": 2, "pp": 2, "dp": 2},
             "faults": [{"kind": "slow_rank", "rank": 0, "at_step": 1, "seconds": 1.5}]}
     try:
-        job_id = svc.submit(spec)["id"]
+        submitted = svc.submit(spec)
+        job_id = submitted["id"]
+        assert submitted["plan"]["given"] == {"tp": 2, "pp": 2, "dp": 2}
+        assert submitted["plan"]["layout"] == auto_job["job"]["plan"]["layout"]
         wait_for(lambda: svc.job(job_id)["progress"]["step"] >= 1, 240, "the first step")
         svc.restart()  # 1: the controller is alive -> re-attached
         assert svc.runtime is not None and job_id in svc.runtime.scheduler.attached_jobs()
