@@ -33,7 +33,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -66,13 +65,10 @@ from training.parallel.optim import (
     microbatch_context,
     no_grad_sync,
 )
-from training.parallel.parallelize import parallelize
 from training.parallel.precision import masters_in_place, with_masters
+from training.parallel.stages import build_rank_modules
 from training.parallel.wrapping import unwrap
 from training.phase_timer import PhaseTimer
-
-if TYPE_CHECKING:  # imported where used: torch.distributed.pipelining brings torch._dynamo (~0.7 s a process)
-    from training.parallel.pipeline import Pipeline
 
 __all__ = ["Action", "StepInfo", "TrainHooks", "TrainResult", "Trainer", "train"]
 
@@ -91,16 +87,7 @@ class Trainer:
         self.dims = ParallelDims.build(layout, ctx.device.type)
         # Ranks with identical parameters (dp x cp; expert-DP with EP): ZeRO-1 and fingerprints.
         self.dp_group = self.dims.replica_group()
-        self.pipeline: Pipeline | None = None
-        if layout.pp > 1:
-            from training.parallel.pipeline import build_pipeline
-
-            self.pipeline = build_pipeline(cfg.model, cfg, self.dims, ctx.device)
-            self.modules: list[nn.Module] = list(self.pipeline.modules)
-        else:
-            with torch.device("meta"):
-                model = Transformer(cfg.model)
-            self.modules = [parallelize(model, layout, self.dims, cfg, device=ctx.device)]
+        self.pipeline, self.modules = build_rank_modules(cfg, self.dims, ctx.device)
         self.parts: list[Transformer] = [_as_transformer(unwrap(m)) for m in self.modules]
         # One optimizer per model part (checkpoints pair each part with its optimizer).
         if cfg.init_from is not None:  # pretrained weights; a checkpoint restored later wins

@@ -18,6 +18,11 @@ log = logging.getLogger(__name__)
 # and the engine take seconds to import, which a replacement rank or the first scrub would
 # otherwise spend on the recovery path.
 WARM_MODULES = ("torch", "torch.distributed.checkpoint", "training.checkpoint.checkpointer", "training.train")
+# What only pipeline-parallel ranks import (training.train imports it for pp > 1): torch's pipelining
+# brings torch._dynamo, ~0.7 s of a core. A new job's ranks do not import it ahead of need (a job
+# without pp would pay it on its start); a process kept for later use does (a warm process, a hot
+# spare), so that a replacement joining a pipeline does not import it on the recovery path.
+PIPELINE_MODULES = ("training.parallel.pipeline",)
 # Ray's worker setup hook for rank actors (workers.warm_workers): a worker process runs it at its start.
 SETUP_HOOK = "workers.engine_imports.preload"
 process_started_at: float | None = None  # set by the hook: when this process was created (None: no hook)
@@ -27,14 +32,15 @@ CAP_SYS_NICE = 23  # linux/capability.h
 
 
 def preload() -> None:
-    """Ray's setup hook of a rank worker process: import WARM_MODULES in the background, at idle CPU
-    priority until an actor claims the process (`claim`). A warm process that waits for work (a
-    replacement's, workers.warm_workers) thus never takes a core from ranks computing on the same
-    host, as ten of them importing torch did from a job on the 2-core embedded cluster (2-4x slower
-    steps for its first ~40 s); on a GPU node, whose host cores are mostly idle, it is warm as soon."""
+    """Ray's setup hook of a rank worker process: import WARM_MODULES and PIPELINE_MODULES in the
+    background, at idle CPU priority until an actor claims the process (`claim`). A warm process that
+    waits for work (a replacement's, workers.warm_workers) thus never takes a core from ranks
+    computing on the same host, as ten of them importing torch did from a job on the 2-core embedded
+    cluster (2-4x slower steps for its first ~40 s); on a GPU node, whose host cores are mostly idle,
+    it is warm as soon."""
     global process_started_at, _preloading
     process_started_at = process_start_time()
-    _preloading = warm_imports(idle=may_raise_priority())
+    _preloading = warm_imports(WARM_MODULES + PIPELINE_MODULES, idle=may_raise_priority())
 
 
 def claim() -> None:

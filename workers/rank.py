@@ -20,6 +20,7 @@ ranks' processes and replaces only the dead ones).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
@@ -32,7 +33,7 @@ from typing import Any
 
 from workers import engine_imports
 from workers.collective_trace import dump_path, watchdog_prefix
-from workers.engine_imports import import_callable, warm_imports
+from workers.engine_imports import PIPELINE_MODULES, import_callable, warm_imports
 from workers.events import EventKind, FaultReport, plain, rank_event
 from workers.logs import LogTarget, capture_rank_output
 from workers.names import NAMESPACE, controller_name
@@ -124,8 +125,11 @@ class RankActor:
         }
 
     def ready(self) -> dict[str, Any]:
-        """`where`, once the engine's imports are done (workers.spares counts a spare warm then)."""
+        """`where`, once the engine's imports are done (workers.spares counts a spare warm then),
+        the pipeline engine's too: a spare may replace a rank of any layout."""
         self._imports.join()
+        for name in PIPELINE_MODULES:
+            importlib.import_module(name)
         return self.where()
 
     def rendezvous(self) -> tuple[str, int]:

@@ -76,3 +76,23 @@ def test_claiming_a_preload_that_was_never_made_idle_changes_no_policy(
     finally:
         gate.set()
         thread.join(30)
+
+
+def _imported_after(code: str) -> set[str]:
+    """The modules of interest a fresh interpreter holds after running `code`."""
+    import subprocess
+
+    probe = ("import sys\n" + code + "\nprint(' '.join(m for m in ('torch.distributed.pipelining', "
+             "'torch._dynamo', 'training.train') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         check=True)
+    return set(out.stdout.split())
+
+
+def test_a_rank_without_pp_never_imports_the_pipeline_engine_a_warm_process_does() -> None:
+    # torch's pipelining brings torch._dynamo (~0.7 s of a core): a new job's ranks import the engine
+    # without it; a warm process's preload (replacements, spares) imports it ahead of need.
+    assert _imported_after("import " + ", ".join(engine_imports.WARM_MODULES)) == {"training.train"}
+    preloaded = _imported_after("from workers import engine_imports as e\ne.preload()\n"
+                                "e._preloading.join(120)")
+    assert {"torch.distributed.pipelining", "torch._dynamo", "training.train"} <= preloaded
