@@ -48,6 +48,7 @@ from training.data.validation import evaluate, validation_source
 from training.hooks import Action, StepInfo, TrainHooks, TrainResult
 from training.integrity.abft import GradABFT
 from training.integrity.attribution import LocalGradCheck, StepSnapshot
+from training.integrity.before_update import settle_before_update
 from training.integrity.detectors import IntegrityError, LossSpikeDetector, check_finite
 from training.integrity.digest import full_state, model_digest
 from training.integrity.fingerprint import FingerprintVote, param_fingerprint, summarize_step
@@ -108,6 +109,7 @@ class Trainer:
                      and cfg.dp_impl == "lattice" else None)  # p.grad is local before our DDP's sync
         snapshot = audit is not None and audit.wants_snapshot(layout.dp, layout.zero_stage)
         self.snapshot = StepSnapshot(self.parts, self.optimizers) if snapshot else None
+        self.settles_early = audit is not None and audit.settles_before_update(layout.dp, layout.zero_stage)
         self.last_vote: FingerprintVote | None = None
         self.links = gloo_links() if self.hooks.keep_state_on_failure else None  # parallel.links
         if self.links is not None:
@@ -234,6 +236,7 @@ class Trainer:
         injector = self.hooks.injector
         if injector is not None:
             injector.arm_grad_flips(step, self.named_parameters())
+        rng = torch.get_rng_state() if self.settles_early and not rerun else None
         self._local_error = None
         for grad_audit in self.grad_audits:  # gradient SDC checks inside the DP reduction
             grad_audit.begin(step)
@@ -255,6 +258,9 @@ class Trainer:
         grads = grad_bytes(self.parts) if meter is not None else 0  # zero_grad frees them below
         take_gradient_checks(self, step, rerun)
         timer.mark("dp_sync")
+        if rng is not None:  # a statistical gradient check, re-run before the update if it fired
+            settle_before_update(self, step, inputs, targets, rng)
+            timer.mark("integrity")
         self.updating = True
         if self.cfg.optim.grad_clip:
             clip_grad_norm(list(self.parts), self.cfg.optim.grad_clip, dims.group("pp"))

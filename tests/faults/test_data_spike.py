@@ -1,9 +1,11 @@
 """A clean job's own gradient spike, end to end on the embedded cluster (real Ray actors, gloo ranks,
 the controller). bench.recovery's job under ZeRO-1 (no pre-step snapshot to re-run a step from):
 at step 295 of a fault-free run, rank 0's local gradient norm is 16x its history — the data's. It
-used to fail the job ("again after the restart": job error). Now the failure blames nobody, the
-restart from the checkpoint re-runs the step, the same norm is the data's, and the job finishes
-with the weights of a run without the checks."""
+used to fail the job ("again after the restart": job error), then to cost a restart from the last
+checkpoint (the restart re-ran the step). Now the step is re-run before its optimizer step
+(training.integrity.before_update): the same norm, and the same on the DP peer's device, is the
+data's; no attempt fails, no step is lost, and the job finishes with the weights of a run without
+the checks."""
 
 from __future__ import annotations
 
@@ -39,15 +41,15 @@ def _unchecked_digest(rank: int, world: int) -> str:
     return train(ctx, _cfg(None), hooks, resume=False).model_digest
 
 
-def test_a_jobs_own_gradient_spike_is_re_run_by_the_restart_and_the_job_finishes(ray_cluster, tmp_path):
+def test_a_jobs_own_gradient_spike_is_re_run_before_the_update_and_the_job_finishes(ray_cluster, tmp_path):
     wait_for_free_gpus(2)
     snap = run_job("data-spike-zero1", _cfg(str(tmp_path / "ckpt")), options(), timeout_s=400)
     assert snap["state"] == "FINISHED", (snap["reason"], kinds(snap)[-12:])
-    [failure] = events(snap, "failure")
-    assert failure["classification"] == "unknown"
-    assert failure["failure"]["evidence"]["error_kind"] == "grad_norm_spike"
-    assert failure["failure"]["step"] == SPIKE
+    assert not {"failure", "restart", "restore"} & set(kinds(snap)), kinds(snap)
     [spike] = events(snap, "gradient_spike")
-    assert spike["step"] == SPIKE and spike["evidence"]["attribution"] == "the restart re-ran it"
+    assert spike["step"] == SPIKE and spike["ranks"] == [0], spike
+    ev = spike["evidence"]
+    assert ev["attribution"] == "re-run before the update" and ev["local_reproduced"] is True, ev
+    assert ev["swap"]["follows_data"] is True, ev  # the batch gave the same norm on the DP peer's device
     assert not {"attributed", "node_suspect", "node_quarantined", "job_error"} & set(kinds(snap))
     assert snap["result"]["model_digest"] == run_ranks(2, _unchecked_digest)[0]

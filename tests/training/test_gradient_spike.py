@@ -111,14 +111,32 @@ STEPS = {2: 6, 3: 3}
 CKPT_EVERY = {2: 3, 3: 1}
 
 
-@pytest.mark.parametrize(("audit", "layout"), [(SPIKE, {"dp": 2, "zero_stage": 1}), (OUTLIER, {"dp": 3})],
-                         ids=["own-history-zero1", "peer-outlier-dp3"])
-def test_with_no_snapshot_the_restart_re_runs_a_spike_and_the_same_spike_is_the_datas(
+NO_SNAPSHOT = [(SPIKE, {"dp": 2, "zero_stage": 1}), (OUTLIER, {"dp": 3})]
+NEVER = {"snapshot": "never"}  # no re-run in the step: the restart is the re-run
+
+
+@pytest.mark.parametrize(("audit", "layout"), NO_SNAPSHOT, ids=["own-history-zero1", "peer-outlier-dp3"])
+def test_with_no_snapshot_a_spike_is_re_run_before_the_update_and_no_attempt_fails(
         audit, layout, tmp_path) -> None:
-    """No pre-step snapshot (ZeRO-1; DP 3 under `audit.snapshot: auto`): the spike fails the attempt
-    (nobody is blamed; the controller restarts it from the checkpoint with the spike's norms); on the
-    restart the same spike, to the bit, is the data's and the job goes on to the fault-free run's
-    weights."""
+    """No pre-step snapshot (ZeRO-1; DP 3 under `audit.snapshot: auto`): the check fires after the
+    backward, before the optimizer step, so the step is re-run there from the parameters it started
+    from (training.integrity.before_update). The same spikes on the same batches are the data's: no
+    attempt fails, no step is lost, and the weights are the fault-free run's."""
+    out = run_ranks(layout["dp"], _attempt, (audit, layout, str(tmp_path), {}))
+    assert "failed" not in out[0] and out[0]["final"] == STEPS[layout["dp"]], out[0]
+    accepted = out[0]["accepted"]
+    assert accepted and {how for _, how in accepted} == {"re-run before the update"}, accepted
+    assert all(o["accepted"] == accepted for o in out)  # agreed: every rank heard the same
+    assert out[0]["digest"] == run_ranks(layout["dp"], _clean, (layout,))[0]
+
+
+@pytest.mark.parametrize(("audit", "layout"), NO_SNAPSHOT, ids=["own-history-zero1", "peer-outlier-dp3"])
+def test_with_re_runs_off_the_restart_re_runs_a_spike_and_the_same_spike_is_the_datas(
+        audit, layout, tmp_path) -> None:
+    """`audit.snapshot: never` and no snapshot: the spike fails the attempt (nobody is blamed; the
+    controller restarts it from the checkpoint with the spike's norms); on the restart the same
+    spike, to the bit, is the data's and the job goes on to the fault-free run's weights."""
+    audit = {**audit, **NEVER}
     world = layout["dp"]
     seen: dict[int, dict[int, float]] = {}
     attempts = []
@@ -140,7 +158,7 @@ def test_a_restart_whose_re_run_changes_the_norms_reports_a_transient_fault(tmp_
     the first attempt's norms again to the bit are the data's; other norms mean the first attempt's
     were corrupt, and the ranks say which rank's changed (the controller blames its node then)."""
     layout = {"dp": 2, "zero_stage": 1}
-    first = run_ranks(2, _attempt, (SPIKE, layout, str(tmp_path / "a"), {}))[0]
+    first = run_ranks(2, _attempt, ({**SPIKE, **NEVER}, layout, str(tmp_path / "a"), {}))[0]
     step, norms = first["failed"], {int(r): v for r, v in first["norms"].items()}
     calm = {"grad_spike_factor": 1e6}  # the check never fires: only the re-run's comparison speaks
     same = run_ranks(2, _attempt, (calm, layout, str(tmp_path / "b"), {step: norms}))
@@ -154,13 +172,14 @@ def test_a_restart_whose_re_run_changes_the_norms_reports_a_transient_fault(tmp_
 FAULT_STEP = 4
 
 
-def _faulty_device(rank: int, world: int, layout: dict, ckpt: str, seen: dict) -> dict:
+def _faulty_device(rank: int, world: int, layout: dict, ckpt: str, seen: dict, snapshot: str) -> dict:
     """A rank whose device scales one parameter's gradient by 1e4 every time it computes step
     FAULT_STEP (a persistent fault: re-runs and restarts on it reproduce the spike to the bit)."""
 
     from training.config.layout import Layout as L
     from training.config.run import CheckpointConfig
     from training.hooks import TrainHooks
+    from training.integrity.attribution import AuditConfig
     from training.integrity.injection import BitFlipInjector
 
     class FaultyDevice(BitFlipInjector):
@@ -180,6 +199,7 @@ def _faulty_device(rank: int, world: int, layout: dict, ckpt: str, seen: dict) -
             accepted.append(error.step)
 
     hooks = Hooks()
+    hooks.audit = AuditConfig(snapshot=snapshot)
     hooks.injector = FaultyDevice([], rank)
     hooks.rerun_spikes = seen
     cfg = RunConfig(model=SPEC, layout=L(**layout), steps=6,
@@ -187,18 +207,21 @@ def _faulty_device(rank: int, world: int, layout: dict, ckpt: str, seen: dict) -
     return train_to_integrity_error(rank, world, cfg, hooks, resume=True) | {"accepted": accepted}
 
 
-@pytest.mark.parametrize("layout", [{"dp": 2}, {"dp": 2, "zero_stage": 1}], ids=["snapshot", "restart"])
-def test_a_spike_a_faulty_device_reproduces_is_the_devices_not_the_datas(layout, tmp_path) -> None:
+@pytest.mark.parametrize(("layout", "snapshot"), [({"dp": 2}, "auto"), ({"dp": 2, "zero_stage": 1}, "auto"),
+                                                ({"dp": 2, "zero_stage": 1}, "never")],
+                         ids=["snapshot", "before-update", "restart"])
+def test_a_spike_a_faulty_device_reproduces_is_the_devices_not_the_datas(layout, snapshot, tmp_path) -> None:
     """A persistent fault reproduces its spike on every re-run on the same device, as data would;
     its batch computed on the DP peer's device does not (training.integrity.swap): the rank is named,
-    persistent, and the step does not stand. With a snapshot the re-run says so at once; without one
-    the restart re-runs the step (after the first failure blamed nobody) and says so then."""
+    persistent, and the step does not stand. With a snapshot, or re-run before the update (ZeRO-1),
+    the re-run says so at once; with re-runs off the restart re-runs the step (after the first
+    failure blamed nobody) and says so then."""
     seen: dict[int, dict[int, float]] = {}
-    out = run_ranks(2, _faulty_device, (layout, str(tmp_path), seen))
-    if layout.get("zero_stage"):  # no snapshot: nobody blamed yet, the norms go to the restart
+    out = run_ranks(2, _faulty_device, (layout, str(tmp_path), seen, snapshot))
+    if snapshot == "never":  # no re-run: nobody blamed yet, the norms go to the restart
         assert "transient" not in out[0]["evidence"], out[0]
         seen = {out[0]["step"]: {int(r): v for r, v in out[0]["evidence"]["grad_norms_local"].items()}}
-        out = run_ranks(2, _faulty_device, (layout, str(tmp_path), seen))
+        out = run_ranks(2, _faulty_device, (layout, str(tmp_path), seen, snapshot))
     assert out[0] == out[1], out  # agreed on every rank
     failed = out[0]
     assert failed.get("step") == FAULT_STEP and failed["kind"] == "grad_norm_outlier", failed

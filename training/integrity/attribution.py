@@ -56,7 +56,9 @@ class AuditConfig:
     grad_norm_factor: float = 64.0
     grad_max_factor: float = 256.0
     # "auto": snapshot before every step only where a vote can be ambiguous (2 replicas, ZeRO-0);
-    # "always": also re-run to tell transient from persistent faults with DP >= 3; "never": no re-run.
+    # "always": also re-run to tell transient from persistent faults with DP >= 3; "never": no re-run
+    # (a statistical check that fires then fails the attempt: the restart re-runs it). Without a
+    # snapshot, such a check is re-run before the update (training.integrity.before_update).
     snapshot: str = "auto"
 
     def __post_init__(self) -> None:
@@ -71,6 +73,12 @@ class AuditConfig:
         if self.snapshot == "never" or dp < 2 or zero_stage > 0:
             return False
         return self.snapshot == "always" or dp == 2
+
+    def settles_before_update(self, dp: int, zero_stage: int) -> bool:
+        """Whether a statistical gradient check that fires is re-run before the optimizer step
+        (training.integrity.before_update): where no snapshot is kept, unless re-runs are off."""
+        checks = self.local_grad_check or (self.grad_checks and dp > 1)
+        return checks and self.snapshot != "never" and not self.wants_snapshot(dp, zero_stage)
 
 
 def local_grad_norm(params: Sequence[nn.Parameter]) -> float:

@@ -7,6 +7,7 @@ referee (training.integrity.referee). The train loop (training.train) calls it o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -69,16 +70,20 @@ _LOCAL_KINDS = ("grad_norm_spike", "nonfinite", *GRAD_CHECK_KINDS)
 
 
 def rerun_attribution(
-    trainer: RerunnableTrainer, step: int, shared: IntegrityError, found: list[tuple]
+    trainer: RerunnableTrainer, step: int, shared: IntegrityError, found: list[tuple],
+    rerun: tuple[Callable[[], float | None], str] | None = None,
 ) -> IntegrityError:
     """Run `step` again from the pre-step snapshot on every rank and name the rank(s) whose first
-    result did not reproduce (transient) or did (persistent). See training.integrity.attribution."""
-    first = trainer.last_vote
-    with masters_in_place(trainer.optimizers):
-        trainer.snapshot.restore()  # type: ignore[union-attr]
+    result did not reproduce (transient) or did (persistent). See training.integrity.attribution.
+    `rerun`: (the re-run, its name) from parameters the step has not yet updated instead
+    (training.integrity.before_update): no snapshot to restore, no replica vote to compare."""
+    first = trainer.last_vote if rerun is None else None
+    if rerun is None:
+        with masters_in_place(trainer.optimizers):
+            trainer.snapshot.restore()  # type: ignore[union-attr]
     spiked = _swap_ranks(found, dist.get_world_size())
     probed = swap.probe(trainer, step) if spiked and swap.supported(trainer.cfg.layout) else None
-    rerun_loss, _ = trainer.train_step(step, rerun=True)
+    rerun_loss = trainer.train_step(step, rerun=True)[0] if rerun is None else rerun[0]()
     rerun_vote = trainer.pending_vote if first is not None else None
     mine: dict[str, Any] = {"rank": trainer.ctx.rank}
     if first is not None and rerun_vote is not None and first.divergent:
@@ -90,7 +95,8 @@ def rerun_attribution(
     results = gather_object(mine)  # also the barrier after which the referee's snapshot is on disk
     culprits: set[int] = set()
     transient = True
-    evidence: dict[str, Any] = {"attribution": "rerun from the pre-step snapshot", "first": shared.evidence}
+    how = "rerun from the pre-step snapshot" if rerun is None else rerun[1]
+    evidence: dict[str, Any] = {"attribution": how, "first": shared.evidence}
     votes = {}
     for res in results:
         if "vote" in res:
@@ -123,8 +129,10 @@ def rerun_attribution(
         culprits = set(shared.ranks)
     evidence["transient"] = transient
     evidence["reproduced"] = not transient
-    evidence["rerun_loss"] = rerun_loss if math.isfinite(rerun_loss) else str(rerun_loss)
-    diverged = diverged_again(shared, found, rerun_loss, results, dist.get_world_size())
+    if rerun_loss is not None:  # None: a re-run before the update (no step loss)
+        evidence["rerun_loss"] = rerun_loss if math.isfinite(rerun_loss) else str(rerun_loss)
+    diverged = None if rerun_loss is None else diverged_again(shared, found, rerun_loss, results,
+                                                               dist.get_world_size())
     if diverged is None and evidence.get("local_reproduced") and (evidence.get("swap") or {}).get(
             "follows_data") and _nonfinite_ranks(found):  # the batches' own: any device gives it
         diverged = {"what": "local gradient norm", "value": "nan or inf", "step": shared.step,

@@ -50,6 +50,9 @@ def attribute(trainer: RerunnableTrainer, step: int, error: IntegrityError | Non
     pre-step snapshot when there is one), and whether it is the data's gradient spike: reproduced by
     that re-run or, with no snapshot, by this restart of a step in `seen`."""
     shared, found = shared_error(error, local_norm(trainer))
+    settled, trainer.settled = getattr(trainer, "settled", None), None
+    if settled is not None and settled[0] == step and all(kind in STATISTICAL_KINDS for kind, *_ in found):
+        return settled[1], settled[2]  # re-run before the update (training.integrity.before_update)
     snap = trainer.snapshot
     if snap is not None and snap.step == step:
         shared = rerun_attribution(trainer, step, shared, found)
