@@ -195,6 +195,8 @@ def _overhead(ctx: Any, world: int, args: dict) -> dict[str, Any]:
         if label == "on":
             timer.wrap(Trainer, "check_integrity", "loss checks + vote")
             timer.wrap(train_module, "param_fingerprint", "fingerprint")
+            # DP >= 3 or ZeRO >= 1: every rank agrees before the update whether to re-run the step
+            timer.wrap(train_module, "settle_before_update", "re-run flag (before the update)")
             timer.wrap(Trainer, "check_local_grads", "local norm (+ ABFT compare)")
             timer.wrap(GradientAudit, "record", "bucket checksums")
             timer.wrap(GradientAudit, "verify", "checksum + peer outliers")
