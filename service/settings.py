@@ -15,6 +15,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.checkpoint_period import LLAMA3_GPU_MTBF_HOURS
+
 DEFAULT_HOME = Path(".lattice")
 
 
@@ -96,6 +98,15 @@ class Settings(BaseSettings):
     heartbeat_timeout_s: float = Field(
         10.0, gt=0, description="A rank silent for this long (or for 5 of the job's median step times, if "
         "longer) is treated as hung (default for job specs)."
+    )
+    gpu_mtbf_hours: float = Field(
+        LLAMA3_GPU_MTBF_HOURS, gt=0, le=1e9, description="Mean GPU-hours between interruptions of a job, "
+        "per GPU (Llama 3's pre-training: 50,676): with the plan, the checkpoint period of a job whose "
+        "spec leaves checkpoint.every_steps out (service.checkpoint_period)."
+    )
+    checkpoint_write_gbps: float = Field(
+        1.0, gt=0, le=1e6, description="GB/s at which one GPU's checkpoint shard is written (an "
+        "assumption: a node's NVMe shared by its GPUs), for the same checkpoint period."
     )
     spares_per_job: int = Field(
         0, ge=0, le=64, description="Warm spare rank actors kept beside each running job, outside its "

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import metrics, store
+from service.checkpoint_period import default_checkpoint_period
 from service.errors import ConcurrentUpdate, IllegalTransition, NotLeader
 from service.scheduler import admission, reconcile
 from service.scheduler.attached import Attached, held_gpus
@@ -398,8 +399,10 @@ class Scheduler:
         ckpt_dir = (self.settings.checkpoint_root / job_id).resolve()  # type: ignore[operator]
         policy = RestartPolicy(max_restarts=max(0, spec.fault_tolerance.max_restarts - restarts_used))
         try:
+            period = default_checkpoint_period(spec, job.plan or {}, self.settings)
             run_cfg = spec.to_run_config(layout, str(ckpt_dir),
-                                         precision=((job.plan or {}).get("train") or {}).get("precision"))
+                                         precision=((job.plan or {}).get("train") or {}).get("precision"),
+                                         every_steps=period["every_steps"] if period else None)
             options = admission.controller_options(self.settings, spec, seq, reached_step,
                                                    self._controller_defaults)
             controller = start_controller(job_id, run_cfg, options=options, failure_policy=policy,

@@ -191,9 +191,10 @@ class JobSpec(StrictModel):
             return None
 
     def to_run_config(self, layout: Layout, checkpoint_dir: str | None,
-                      precision: str | None = None) -> RunConfig:
+                      precision: str | None = None, every_steps: int | None = None) -> RunConfig:
         """What each rank's training loop needs, for the layout the job was placed with and the
-        precision its plan used (train.precision, else the plan's default, else fp32)."""
+        precision its plan used (train.precision, else the plan's default, else fp32); `every_steps`:
+        the checkpoint period when the spec leaves it out (service.checkpoint_period)."""
         return RunConfig(
             model=self.model_spec(),
             layout=layout,
@@ -208,7 +209,8 @@ class JobSpec(StrictModel):
                                         if self.data.validation is not None else None)),
             checkpoint=CheckpointConfig(
                 dir=checkpoint_dir,
-                every_steps=self.checkpoint.every_steps,
+                every_steps=(self.checkpoint.every_steps if self.checkpoint.every_steps is not None
+                             else every_steps or 0),
                 keep=self.checkpoint.keep,
                 async_save=self.checkpoint.async_save,
             ),

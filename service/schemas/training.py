@@ -198,8 +198,9 @@ class ResourcesSpec(StrictModel):
 
 
 class CheckpointPolicy(StrictModel):
-    every_steps: int = Field(
-        0, ge=0, le=MAX_COUNT, description="Checkpoint period in steps; 0 = only at the end."
+    every_steps: int | None = Field(
+        None, ge=0, le=MAX_COUNT, description="Checkpoint period in steps; 0 = only at the end; unset = "
+        "Young's optimum from the plan's step time, state size and the cluster's MTBF (plan.checkpoint)."
     )
     keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept per job.")
     async_save: bool = Field(
