@@ -120,6 +120,7 @@ def status_table(job: dict[str, Any], wide: bool) -> Table:
     if wide:
         rows += [(k, str(job[k])) for k in ("started_at", "finished_at", "updated_at") if job.get(k)]
         rows.append(("digest", str((job.get("result") or {}).get("model_digest") or "-")))
+        rows.append(("checkpoints", _checkpoint_text(job)))
     if job.get("error"):
         rows.append(("error", job["error"]))
     table = Table(show_header=False, box=None, pad_edge=False)
@@ -128,6 +129,15 @@ def status_table(job: dict[str, Any], wide: bool) -> Table:
     for k, v in rows:
         table.add_row(k, v)
     return table
+
+
+def _checkpoint_text(job: dict[str, Any]) -> str:
+    """The checkpoint period: the spec's, or the one filled in from the plan (service.checkpoint_period)."""
+    period = (job.get("plan") or {}).get("checkpoint")
+    if isinstance(period, dict):
+        return f"{period['why']} (filled in)"
+    every = ((job.get("spec") or {}).get("checkpoint") or {}).get("every_steps")
+    return f"every {every} steps" if every else "at the end"
 
 
 def _layout_text(plan: dict[str, Any] | None, wide: bool = False) -> str:

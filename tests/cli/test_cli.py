@@ -150,6 +150,8 @@ def test_submit_list_status_events_cancel(server: Server, tmp_path: Path) -> Non
     assert listed.exit_code == 0 and job_id in listed.stdout
     shown = run(["status", job_id], server.env)
     assert shown.exit_code == 0 and "cli-job" in shown.stdout and "tp=2" in shown.stdout
+    wide = run(["status", job_id, "-o", "wide"], server.env)  # the period the spec left out, filled in
+    assert wide.exit_code == 0 and "checkpoints" in wide.stdout and "Young" in wide.stdout, wide.stdout
     cancelled = run(["cancel", job_id], server.env)
     assert cancelled.exit_code == 0 and f"job {job_id}: cancelled" in cancelled.stdout
     log = run(["events", job_id], server.env)
