@@ -106,7 +106,7 @@ def _fmt_bytes(n: float) -> str:
 def _render(p: Plan, console: Console) -> None:
     d = p.to_dict()
     lay = d["layout"]
-    title = f"{'Plan' if p.mode == 'search' else 'Evaluation'}: {d['model']} on {p.num_gpus} x {p.gpu_type}"
+    title = f"{'Evaluation' if p.mode == 'evaluate' else 'Plan'}: {d['model']} on {p.num_gpus} x {p.gpu_type}"
     t = Table(title=title, show_header=True, header_style="bold")
     t.add_column("layout")
     t.add_column("value", justify="right")

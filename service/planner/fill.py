@@ -179,6 +179,7 @@ def plan_layout(
             nearest, moved = _move_closer(env, fields, kept, nearest, zs)
         raise LayoutRefused(_why_not(env, fields, nearest, gpus_from, search), fields, nearest, kept, moved)
     result = plan_from_search(env, search, searched, top_k)
+    result.mode = "fill"  # searched over the layouts that keep every given field
     result.reasons = chosen_reasons(env, fields, result.layout) + result.reasons
     result.given = fields
     return result

@@ -121,7 +121,7 @@ class Plan:
     """A Layout plus the evidence for it (see docs/planner.md for every field)."""
 
     layout: Layout
-    mode: str  # "search" or "evaluate"
+    mode: str  # "search" (nothing given), "fill" (a partial layout completed) or "evaluate" (as given)
     model_name: str
     gpu_type: str
     num_gpus: int

@@ -93,6 +93,7 @@ def test_the_issue_example_fills_in_and_says_what_it_chose() -> None:
     _assert_runnable(model, train, cluster, lay)
     assert lay.schedule != "none" and lay.num_microbatches * lay.micro_batch_size == 4
     assert result.reasons[0] == "kept the given tp=2,pp=2,dp=2; the planner chose the rest"
+    assert result.mode == "fill"  # not "search" (nothing given) nor "evaluate" (as given)
     assert f"schedule: chose {lay.schedule} (pp=2 given; the fastest predicted" in "\n".join(result.reasons)
     assert any(r.startswith(f"num_microbatches: chose {lay.num_microbatches} (global batch 8 /")
                for r in result.reasons)
@@ -221,6 +222,7 @@ def test_cli_and_route_fill_in_the_same_layout(client: TestClient) -> None:
     assert http.status_code == 200, http.text
     assert from_cli["layout"] == http.json()["layout"] == direct["layout"]
     assert from_cli["given"] == http.json()["given"] == {"tp": 2, "pp": 2}
+    assert from_cli["mode"] == http.json()["mode"] == "fill"
     assert "kept the given tp=2,pp=2; the planner chose the rest" in http.json()["reasons"]
 
 
