@@ -53,6 +53,13 @@ class Settings(BaseSettings):
         "when its first node joins: a quick grid (seconds) as a Ray task on one GPU of that node, in the "
         "background, stored as the type's profile (docs/planner.md, \"Background calibration\").",
     )
+    calibration_hold_s: float = Field(
+        90.0, ge=0, le=3600,
+        description="While a node type's first hardware profile is being measured, jobs for it stay pending "
+        "up to this long, then are planned from the catalogue: a plan made before the profile is off by an "
+        "order of magnitude on a CPU host, and a job started meanwhile would skew the measurement. 0: never "
+        "wait. A job planned from the catalogue is re-planned with the profile while it has not started.",
+    )
     checkpoint_root: Path | None = Field(
         None,
         description="Where job checkpoints go; unset = <home>/checkpoints. Shared storage in production.",

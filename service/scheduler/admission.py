@@ -1,7 +1,7 @@
 """Admission: pending jobs enter the queue (re-planned for the live cluster's GPU type when their
-plan was made for another), the order queued jobs start in (`queue_decisions`: quotas, weighted
-fair share and backfill, decided by the pure `fairshare.decide` from the store's numbers), and what
-a queued job's controller is started with."""
+plan was made for another, and with its measured hardware profile when made from the catalogue), the
+order queued jobs start in (`queue_decisions`: quotas, weighted fair share and backfill, decided by the
+pure `fairshare.decide` from the store's numbers), and what a queued job's controller is started with."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import store
+from service.checkpoint_period import default_checkpoint_period
 from service.errors import ConcurrentUpdate, IllegalTransition, JobNotFound
 from service.planner import (
     ClusterSpec,
@@ -42,8 +43,10 @@ log = logging.getLogger(__name__)
 
 
 def admit_pending(sf: sessionmaker[Session], rsf: sessionmaker[Session], settings: Settings,
-                  topology: Topology) -> None:
-    """Move every pending job to the queue, or fail it when no plan fits the live cluster.
+                  topology: Topology, *, hold: str | None = None, notes: WaitingNotes | None = None) -> None:
+    """Move every pending job to the queue, or fail it when no plan fits the live cluster; with `hold`
+    (why plans should wait: the cluster's first hardware profile is being measured) leave them pending,
+    saying why in `notes`. A plan made from the catalogue is re-planned once a measured profile exists.
 
     Planning runs between two transactions, never inside one: a large search takes seconds of CPU,
     and on SQLite a write transaction holds the database's only write lock. The write that follows
@@ -52,7 +55,12 @@ def admit_pending(sf: sessionmaker[Session], rsf: sessionmaker[Session], setting
     with rsf() as s:
         pending = [(j.id, j.version, j.spec, j.plan)
                    for j in store.list_jobs(s, states=[JobState.PENDING], limit=None, order="queue")]
-        profile = profile_for(s, settings.gpu_type) if pending else None
+        profile = profile_for(s, settings.gpu_type) if pending and hold is None else None
+    if hold is not None:
+        for job_id, *_ in pending:
+            if notes is not None:
+                notes.note(job_id, hold, state=JobState.PENDING)
+        return
     for job_id, version, spec, plan in pending:
         replanned, error = plan_for_live_cluster(spec, plan, settings, topology, profile=profile)
         try:
@@ -63,7 +71,10 @@ def admit_pending(sf: sessionmaker[Session], rsf: sessionmaker[Session], setting
                 store.transition(s, job_id, JobState.QUEUED, reason="admitted to the queue",
                                  expected_version=version)
                 if replanned is not None:
-                    store.set_plan(s, job_id, replanned.to_dict(), reason=replanned_reason(plan, settings))
+                    doc = replanned.to_dict()
+                    if (period := default_checkpoint_period(JobSpec.model_validate(spec), doc, settings)):
+                        doc["checkpoint"] = period  # as at submit: shown with the plan
+                    store.set_plan(s, job_id, doc, reason=replanned_reason(plan, settings, profile))
         except (ConcurrentUpdate, IllegalTransition, JobNotFound) as e:
             log.info("job %s changed while being admitted: %s", job_id, e)
 
@@ -153,21 +164,27 @@ def _canonical_gpu(name: str | None) -> str | None:
         return name
 
 
-def replanned_reason(plan: Mapping[str, Any] | None, settings: Settings) -> str:
+def replanned_reason(plan: Mapping[str, Any] | None, settings: Settings,
+                     profile: HardwareProfile | None = None) -> str:
     planned = _canonical_gpu(((plan or {}).get("cluster") or {}).get("gpu_type"))
-    return f"re-planned for the live cluster's {_canonical_gpu(settings.gpu_type)} (the plan was for " \
-        f"{planned or 'nothing'})"
+    live = _canonical_gpu(settings.gpu_type)
+    if (plan or {}).get("layout") and planned == live and profile is not None:
+        return f"re-planned with the {live} nodes' measured hardware profile v{profile.version} (the plan " \
+            "was made from the catalogue's figures)"
+    return f"re-planned for the live cluster's {live} (the plan was for {planned or 'nothing'})"
 
 
 def plan_for_live_cluster(spec_doc: Mapping[str, Any], plan: Mapping[str, Any] | None, settings: Settings,
                           topology: Topology, *, profile: HardwareProfile | None = None,
                           ) -> tuple[Plan | None, str | None]:
     """(a new plan, None) for a job whose plan is for another GPU type than the live cluster's
-    (settings.gpu_type) or that has none; (None, None) when its plan stands; (None, why) when no plan
-    fits the live cluster. Pure: touches no database."""
+    (settings.gpu_type), that has none, or that was made from the catalogue while `profile` (measured)
+    exists; (None, None) when its plan stands; (None, why) when no plan fits the live cluster. Pure:
+    touches no database."""
     current = plan or {}
     planned = _canonical_gpu((current.get("cluster") or {}).get("gpu_type"))
-    if current.get("layout") and planned == _canonical_gpu(settings.gpu_type):
+    from_catalogue = profile is not None and not current.get("profile")
+    if current.get("layout") and planned == _canonical_gpu(settings.gpu_type) and not from_catalogue:
         return None, None
     try:
         spec = JobSpec.model_validate(spec_doc)
@@ -259,7 +276,7 @@ class WaitingNotes:
         self._sf, self._rsf = sf, rsf
         self._reasons: dict[str, str] = {}
 
-    def note(self, job_id: str, reason: str) -> None:
+    def note(self, job_id: str, reason: str, state: str = JobState.QUEUED) -> None:
         if job_id not in self._reasons:
             with self._rsf() as s:
                 last = store.list_events(s, job_id, limit=None, types=["waiting"])
@@ -270,7 +287,7 @@ class WaitingNotes:
         self._reasons[job_id] = reason
         with store.session_scope(self._sf) as s:
             store.append_event(s, job_id, "waiting", {"reason": reason})
-            store.update_progress(s, job_id, reason=f"queued: {reason}"[:2000])
+            store.update_progress(s, job_id, reason=f"{state}: {reason}"[:2000])
         log.info("job %s waits: %s", job_id, reason)
 
     def forget(self, job_id: str) -> None:

@@ -69,6 +69,7 @@ class _TypeState:
     failures: int = 0
     retry_at: float = 0.0  # monotonic time before which a failed type is not tried again
     running: threading.Thread | None = None
+    first_since: float | None = None  # monotonic start of the type's first calibration while it runs
 
 
 class AutoCalibrator:
@@ -148,6 +149,22 @@ class AutoCalibrator:
         with self._lock:
             return sorted(t for t, st in self._types.items() if st.running is not None)
 
+    def awaiting(self, node_type: str, hold_s: float) -> str | None:
+        """Why plans for `node_type` should wait a little: its first profile is being measured, started
+        less than `hold_s` ago (a plan made now would use the catalogue's figures, off by an order of
+        magnitude on a CPU host, and its job's ranks would skew the measurement); None otherwise."""
+        gpu = find_gpu(node_type)
+        name = gpu.name if gpu is not None else node_type
+        with self._lock:
+            st = self._types.get(name)
+            since = st.first_since if st is not None and st.running is not None else None
+        if not self.enabled or since is None or name in self._profiled:
+            return None
+        if self._clock() - since >= hold_s:
+            return None
+        return (f"waiting for the {name} nodes' first hardware profile, being measured now (at most "
+                f"{hold_s:.0f} s, then planned from the catalogue)")
+
     def wait(self, timeout_s: float) -> bool:
         """Wait for the calibrations in flight to end (tests, shutdown); whether they all did."""
         deadline = time.monotonic() + timeout_s
@@ -167,7 +184,9 @@ class AutoCalibrator:
         thread = threading.Thread(target=self._run, args=(node_type, node, peer, link_only), daemon=True,
                                   name=f"lattice-calibrate-{node_type}")
         with self._lock:
-            self._types.setdefault(node_type, _TypeState()).running = thread
+            st = self._types.setdefault(node_type, _TypeState())
+            st.running = thread
+            st.first_since = None if link_only else self._clock()
         if link_only:
             log.info("node type %s has no inter-node link measurement: timing %s <-> %s in the background",
                      node_type, node.name, peer.name if peer is not None else "-")
@@ -201,7 +220,7 @@ class AutoCalibrator:
             log.exception("node type %s: background calibration on %s failed", node_type, node.name)
         with self._lock:
             st = self._types[node_type]
-            st.running = None
+            st.running, st.first_since = None, None
             if ok:
                 st.failures = 0
             else:

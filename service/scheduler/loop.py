@@ -192,12 +192,13 @@ class Scheduler:
                 log.exception("job %s: poll/ingest failed", job_id)
         topology = self._refresh_cluster()
         self._preemptor.tick(self._attached, self._ledger.cordoned if self._ledger else frozenset())
-        admission.admit_pending(self._sf, self._rsf, self.settings, topology)
+        if self.calibrator.enabled:  # starts a background calibration per new node type, never waits
+            self.calibrator.tick(free_view(topology, held_gpus(self._attached.values())))
+        hold = self.calibrator.awaiting(self.settings.gpu_type, self.settings.calibration_hold_s)
+        admission.admit_pending(self._sf, self._rsf, self.settings, topology, hold=hold, notes=self._waiting)
         self._schedule(topology)
         with self._rsf() as s:
             observe_queue(store.count_jobs_by_state(s))
-        if self.calibrator.enabled:  # starts a background calibration per new node type, never waits
-            self.calibrator.tick(free_view(topology, held_gpus(self._attached.values())))
 
     # ---- reconcile ---------------------------------------------------------------------------------
     def reconcile(self) -> None:

@@ -303,3 +303,76 @@ def test_the_setting_is_on_by_default(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert Settings(home=tmp_path).auto_calibrate is True
     monkeypatch.setenv("LATTICE_AUTO_CALIBRATE", "false")
     assert Settings(home=tmp_path).auto_calibrate is False
+
+
+def _pending_demo(engine: Engine, home: Path) -> str:
+    """A demo job as the API stores it while the cluster has no profile: planned from the catalogue."""
+    from service import store
+    from service.api.operations import plan_job
+    from service.schemas import JobSpec
+
+    spec = JobSpec.model_validate({"name": "demo", "model": {"preset": "demo"},
+                                   "train": {"steps": 4, "global_batch": 8}, "parallelism": "auto"})
+    plan = plan_job(spec, Settings(home=home, gpu_type="cpu-virtual"))
+    assert plan["profile"] is None
+    with Session(engine) as s:
+        store.ensure_tenant(s, "default")
+        job_id = store.create_job(s, tenant="default", name="demo", spec=spec.model_dump(mode="json"),
+                                  plan=plan).id
+        s.commit()
+    return job_id
+
+
+def _job(engine: Engine, job_id: str) -> tuple[str, str, dict[str, Any], list[dict[str, Any]]]:
+    from service import store
+
+    with Session(engine) as s:
+        job = store.get_job(s, job_id)
+        events = [{"type": e.type, **e.payload} for e in store.list_events(s, job_id, limit=None)]
+        return job.state, job.reason or "", dict(job.plan or {}), events
+
+
+def _held(engine: Engine, home: Path, monkeypatch: pytest.MonkeyPatch
+          ) -> tuple[Scheduler, LeaderElector, threading.Event, Clock, str]:
+    """A leading scheduler whose calibration waits for `gate`, and a demo job planned from the catalogue."""
+    FakeWorkers().install(monkeypatch)
+    gate, clock = threading.Event(), Clock()
+    sched, elector = _scheduler(engine, "host-a:1", home, FakeCalibration(gate=gate), clock)
+    job_id = _pending_demo(engine, home)
+    assert elector.step() == 1
+    return sched, elector, gate, clock, job_id
+
+
+def test_jobs_wait_for_the_first_profile_and_are_planned_with_it(
+    db_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sched, elector, gate, clock, job_id = _held(db_engine, tmp_path, monkeypatch)
+    for _ in range(2):  # the calibration starts, and the job waits for it (said once)
+        clock.now += 10.0
+        assert sched.step() is True
+    state, reason, plan, events = _job(db_engine, job_id)
+    assert state == "pending" and plan["profile"] is None
+    assert reason.startswith("pending: waiting for the cpu-virtual nodes' first hardware profile"), reason
+    assert [e["type"] for e in events].count("waiting") == 1
+    gate.set()
+    assert sched.calibrator.wait(WAIT_S)
+    assert sched.step() is True
+    state, _, plan, events = _job(db_engine, job_id)
+    assert state != "pending" and plan["profile"] == {"node_type": "cpu-virtual", "version": 1}
+    (replanned,) = [e for e in events if e["type"] == "plan"]
+    assert "measured hardware profile v1" in replanned["reason"]
+    assert plan["checkpoint"]["every_steps"] >= 1  # the period is shown with the new plan, as at submit
+
+
+def test_the_wait_for_a_profile_is_bounded(
+    db_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sched, elector, gate, clock, job_id = _held(db_engine, tmp_path, monkeypatch)
+    assert sched.step() is True
+    assert _job(db_engine, job_id)[0] == "pending"
+    clock.now += sched.settings.calibration_hold_s  # still calibrating: planned from the catalogue now
+    assert sched.step() is True
+    state, _, plan, _ = _job(db_engine, job_id)
+    assert state != "pending" and plan["profile"] is None
+    gate.set()
+    assert sched.calibrator.wait(WAIT_S)
