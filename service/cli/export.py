@@ -1,4 +1,4 @@
-"""`lattice export JOB [--step N] --format hf|torch --output DIR`: export a job's checkpoint through
+"""`lattice export JOB [--step N] [--format hf|torch] [--output DIR]`: export a job's checkpoint through
 the server (`POST /v1/jobs/{id}/exports`) and wait for it. DIR is a new folder inside the server's
 data root (relative to it, or absolute under it), so `model.init_from` of a later job can name it."""
 
@@ -17,7 +17,7 @@ from service.cli.client import CliError, job_path
 def export(
     ctx: typer.Context,
     job_id: Annotated[str, typer.Argument(help="Job id.")],
-    format: Annotated[str, typer.Option("--format", help="hf (Hugging Face Llama/Mixtral) or torch.")],
+    format: Annotated[str, typer.Option("--format", help="hf (Hugging Face Llama/Mixtral) or torch.")] = "hf",
     output: Annotated[str | None, typer.Option(help="New folder in the data root; unset = exports/.")] = None,
     step: Annotated[int | None, typer.Option(help="Checkpoint step; unset = the newest.")] = None,
     wait: Annotated[bool, typer.Option(help="Wait until the export is written.")] = True,

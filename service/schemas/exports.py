@@ -14,7 +14,8 @@ ExportState = Literal["running", "succeeded", "failed"]
 
 class ExportCreate(StrictModel):
     format: ExportFormat = Field(
-        description="hf: a Hugging Face Llama (dense) or Mixtral (MoE) folder; torch: one state_dict + spec."
+        "hf", description="hf: a Hugging Face Llama (dense) or Mixtral (MoE) folder; torch: one state_dict + "
+        "spec (the default is what `model.init_from` and most tools read)."
     )
     step: int | None = Field(None, ge=0, le=MAX_COUNT, description="Checkpoint step; unset = the newest.")
     output: str | None = Field(

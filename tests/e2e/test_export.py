@@ -78,7 +78,7 @@ def test_export_to_hf_and_torch_then_import_into_a_new_job(svc: LiveService) -> 
     assert svc.runtime is not None and svc.settings.checkpoint_root is not None
     url = svc.runtime.serve_in_thread(port=0)
     cli = CliRunner().invoke(app, ["--server", url, "--token", svc.admin, "export", job["id"],
-                                   "--format", "hf", "--output", "exports/hf"])
+                                   "--output", "exports/hf"])  # hf unless --format says otherwise
     assert cli.exit_code == 0, cli.output
     assert "exported step 4 as hf" in cli.output and "model.safetensors" in cli.output
     hf_dir = svc.settings.data_root_path / "exports" / "hf"
@@ -112,7 +112,7 @@ def test_export_to_hf_and_torch_then_import_into_a_new_job(svc: LiveService) -> 
     done = wait_for(lambda: (lambda s: s if s["state"] != "running" else None)(svc.api("GET", path).json()),
                     120, "the torch export")
     assert done["state"] == "succeeded" and {"model.pt", "model.json"} <= set(done["files"]), done
-    bad_step = svc.api("POST", f"/v1/jobs/{job['id']}/exports", json={"format": "hf", "step": 3})
+    bad_step = svc.api("POST", f"/v1/jobs/{job['id']}/exports", json={"step": 3})  # format: hf by default
     assert bad_step.status_code == 422 and bad_step.json()["errors"][0]["field"] == "step"
     outside = svc.api("POST", f"/v1/jobs/{job['id']}/exports", json={"format": "hf", "output": "../x"})
     assert outside.status_code == 422 and outside.json()["errors"][0]["field"] == "output"
