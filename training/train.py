@@ -197,9 +197,8 @@ class Trainer:
         finish_grad_sync(self.modules)
         return total
 
-    def step_summary(
-        self, local: torch.Tensor | None, fingerprint: int | None
-    ) -> tuple[float, FingerprintVote | None]:
+    def step_summary(self, local: torch.Tensor | None,
+                     fingerprint: int | None) -> tuple[float, FingerprintVote | None]:
         """One collective per step: every rank's last-stage loss and, when due, its parameter
         fingerprint, all-gathered over the world. Returns the mean loss over the replicas
         (identical on every rank) and the vote of this rank's DP group (None when not due)."""
@@ -223,6 +222,13 @@ class Trainer:
         else:
             self._local_error = check.check(params, step, self.ctx.rank)
 
+    def arm_step(self, step: int) -> None:
+        """Before a step's forward (or re-run): a faulty device's gradient flips, the gradient audits."""
+        if (injector := self.hooks.injector) is not None:
+            injector.arm_grad_flips(step, self.named_parameters())
+        for grad_audit in self.grad_audits:  # gradient SDC checks inside the DP reduction
+            grad_audit.begin(step)
+
     def train_step(self, step: int, rerun: bool = False) -> tuple[float, list[int]]:
         """One optimizer step. `rerun`: the same step again from the snapshot (no new snapshot;
         the local gradient check reports without adding to its history)."""
@@ -233,13 +239,9 @@ class Trainer:
         if self.snapshot is not None and not rerun:
             with masters_in_place(self.optimizers):
                 self.snapshot.capture(step)
-        injector = self.hooks.injector
-        if injector is not None:
-            injector.arm_grad_flips(step, self.named_parameters())
+        self.arm_step(step)
         rng = torch.get_rng_state() if self.settles_early and not rerun else None
         self._local_error = None
-        for grad_audit in self.grad_audits:  # gradient SDC checks inside the DP reduction
-            grad_audit.begin(step)
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
         timer.mark("data")
 
@@ -271,7 +273,7 @@ class Trainer:
             self.memory = account(self.parts, self.optimizers, grads, meter, self.ctx.device,
                                   self.cfg.layout.zero_stage)
         timer.mark("optimizer")
-        if injector is not None:
+        if (injector := self.hooks.injector) is not None:
             injector.maybe_flip_params(step, self.named_parameters())
         self.step = step
         self.updating = False

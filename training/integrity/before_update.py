@@ -54,11 +54,7 @@ def settle_before_update(trainer: Any, step: int, inputs: torch.Tensor, targets:
 
     def rerun() -> None:  # its loss is this rank's own, not the step's: left out of the agreed verdict
         torch.set_rng_state(rng)
-        injector = trainer.hooks.injector
-        if injector is not None:  # a faulty device corrupts whatever it computes at this step
-            injector.arm_grad_flips(step, trainer.named_parameters())
-        for audit in trainer.grad_audits:
-            audit.begin(step)
+        trainer.arm_step(step)  # a faulty device corrupts whatever it computes at this step
         trainer.rerun_local = None
         trainer.forward_backward(inputs, targets,
                                  before_sync=lambda: trainer.check_local_grads(step, rerun=True))
