@@ -64,7 +64,7 @@ def watch(client: httpx.Client, job_id: str, interval_s: float = 0.5) -> Watch:
         TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
         TextColumn("[cyan]{task.fields[state]}"), TimeElapsedColumn(),
     )
-    last_step = 0
+    last_step, said = 0, ""
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("demo", total=None, loss="-", tps="-", state="pending")
         while True:
@@ -75,6 +75,9 @@ def watch(client: httpx.Client, job_id: str, interval_s: float = 0.5) -> Watch:
                 time.sleep(interval_s)
                 continue
             p = job["progress"]
+            if job["state"] in ("pending", "queued") and job.get("reason") and job["reason"] != said:
+                said = job["reason"]  # why it waits (e.g. the cluster's first hardware profile)
+                progress.console.print(f"[dim]{said}")
             if p["step"] > last_step:
                 if seen.first_step_at is None:
                     seen.first_step_at = time.monotonic()
