@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.tree import Tree
 
+from service.cli.performance_views import perf_rows
 from service.settings import Settings
 
 DEFAULT_SPEC = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
@@ -75,7 +76,7 @@ def watch(client: httpx.Client, job_id: str, interval_s: float = 0.5) -> Watch:
                 time.sleep(interval_s)
                 continue
             p = job["progress"]
-            if job["state"] in ("pending", "queued") and job.get("reason") and job["reason"] != said:
+            if job["state"] in ("pending", "queued") and job.get("reason") not in (None, said, job["state"]):
                 said = job["reason"]  # why it waits (e.g. the cluster's first hardware profile)
                 progress.console.print(f"[dim]{said}")
             if p["step"] > last_step:
@@ -155,6 +156,8 @@ def print_outcome(job: dict[str, Any], seen: Watch) -> None:
         table.add_row("throughput", f"{mean:.0f} tokens/s (mean over steps; {tokens} tokens in all)")
     if result.get("step_time_s"):
         table.add_row("last step time", f"{result['step_time_s'] * 1e3:.0f} ms")
+    for name, text in perf_rows(job.get("performance")):  # as `lattice status` shows them
+        table.add_row(name, text)
     if result.get("checkpoint"):
         ckpt = result["checkpoint"]
         table.add_row("final checkpoint", f"step {ckpt.get('step')}: {ckpt.get('path')}")

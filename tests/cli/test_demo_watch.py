@@ -42,3 +42,19 @@ def test_the_watch_says_why_the_job_waits_once_and_follows_it_to_the_end(
     text = out.getvalue()
     assert text.count(WAITING) == 1 and text.count("queued: admitted") == 1
     assert "all ranks finished" not in text  # a running or finished job's reason is not a wait
+
+
+def test_the_outcome_shows_the_measured_step_time_against_the_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    out = io.StringIO()
+    monkeypatch.setattr(demo, "console", Console(file=out, width=200, highlight=False))
+    job = {**_job("succeeded", 2, "succeeded"), "spec": {"train": {"steps": 2, "global_batch": 8}},
+           "plan": {"train": {"seq_len": 64}}, "attempt": 0,
+           "result": {"loss_first": 6.2, "loss_first_step": 1, "loss_last": 2.4, "final_step": 2},
+           "performance": {"predicted": {"step_time_s": 1.015}, "ratio": 1.43,
+                           "measured": {"step_time_s": 1.451, "steps": 27, "warmup_steps": 3}}}
+    demo.print_outcome(job, demo.Watch(submitted=0.0))
+    text = out.getvalue()
+    lines = [line.split() for line in text.splitlines()]
+    assert ["predicted", "1015", "ms/step"] in lines, text
+    assert ["measured", "1451", "ms/step", "(1.43x", "predicted;", "median", "of", "27", "steps", "after",
+            "warm-up)"] in lines, text
