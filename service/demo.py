@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -166,6 +167,10 @@ def print_outcome(job: dict[str, Any], seen: Watch) -> None:
     console.print(table)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # the demo's Ctrl-C path: the runtime (Ray, the scheduler) is stopped
+
+
 def run_demo(spec_path: Path, *, exit_after: bool, port: int | None) -> int:
     from service.runtime import Runtime, ServiceStartError
 
@@ -185,6 +190,7 @@ def run_demo(spec_path: Path, *, exit_after: bool, port: int | None) -> int:
         except ServiceStartError as e:
             console.print(f"[red]error:[/red] {e}")
             return 1
+    signal.signal(signal.SIGTERM, _interrupt)  # after Ray's driver set its own: `kill` stops as Ctrl-C
     try:
         url = runtime.serve_in_thread(port)
         settings.server_file.write_text(url + "\n")
