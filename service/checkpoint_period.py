@@ -53,3 +53,11 @@ def default_checkpoint_period(spec: Any, plan: Mapping[str, Any], settings: Any)
     if spec.checkpoint.every_steps is not None:
         return None
     return checkpoint_period(plan, spec.train.steps, settings.gpu_mtbf_hours, settings.checkpoint_write_gbps)
+
+
+def shown_with_plan(spec: Any, plan: dict[str, Any], settings: Any) -> dict[str, Any]:
+    """`plan` with the filled-in period under "checkpoint" (when the spec leaves it out), as a plan is
+    stored and shown: at submit and when the scheduler re-plans; a job starts with it recomputed."""
+    if (period := default_checkpoint_period(spec, plan, settings)) is not None:
+        plan["checkpoint"] = period
+    return plan

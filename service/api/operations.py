@@ -18,7 +18,7 @@ from service.api.data_root import resolve_data_path
 from service.api.deps import SchedulerHook
 from service.api.weights import resolve_init_from, resolve_validation_path
 from service.auth import Principal
-from service.checkpoint_period import default_checkpoint_period
+from service.checkpoint_period import shown_with_plan
 from service.errors import (
     ConcurrentUpdate,
     Conflict,
@@ -130,9 +130,7 @@ def submit_job(
     check_submit_policy(session, principal, spec, settings)
     profile = profile_for(session, spec.resources.gpu_type or settings.gpu_type)
     session.commit()  # end the read before planning: no transaction (nor lock) held while it plans
-    plan = plan_job(spec, settings, profile)
-    if (period := default_checkpoint_period(spec, plan, settings)) is not None:
-        plan["checkpoint"] = period  # shown with the plan; recomputed from the plan a job starts with
+    plan = shown_with_plan(spec, plan_job(spec, settings, profile), settings)
     check_plan_fits(spec, plan)
     check_elastic_bounds(spec, plan)
     stored = spec.canonical()

@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import store
-from service.checkpoint_period import default_checkpoint_period
+from service.checkpoint_period import shown_with_plan
 from service.errors import ConcurrentUpdate, IllegalTransition, JobNotFound
 from service.planner import (
     ClusterSpec,
@@ -71,9 +71,7 @@ def admit_pending(sf: sessionmaker[Session], rsf: sessionmaker[Session], setting
                 store.transition(s, job_id, JobState.QUEUED, reason="admitted to the queue",
                                  expected_version=version)
                 if replanned is not None:
-                    doc = replanned.to_dict()
-                    if (period := default_checkpoint_period(JobSpec.model_validate(spec), doc, settings)):
-                        doc["checkpoint"] = period  # as at submit: shown with the plan
+                    doc = shown_with_plan(JobSpec.model_validate(spec), replanned.to_dict(), settings)
                     store.set_plan(s, job_id, doc, reason=replanned_reason(plan, settings, profile))
         except (ConcurrentUpdate, IllegalTransition, JobNotFound) as e:
             log.info("job %s changed while being admitted: %s", job_id, e)
