@@ -16,6 +16,7 @@ from pathlib import Path
 
 from service.errors import InvalidRequest
 from service.settings import Settings
+from training.data.confined import ConfinedPathError, inside, open_confined
 from training.data.token_files import SHARD_SUFFIX, TOKEN_DTYPES, windows_per_shard
 
 FIELD = "data.path"
@@ -23,10 +24,6 @@ FIELD = "data.path"
 
 class DataRootError(RuntimeError):
     """The configured data root would expose the service's own state; the service refuses to start."""
-
-
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def _state_paths(settings: Settings) -> list[tuple[str, Path]]:
@@ -49,13 +46,13 @@ def check_data_root(settings: Settings) -> Path:
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     real_root = os.path.realpath(root)
     home = os.path.realpath(settings.home)
-    if _inside(home, real_root):
+    if inside(home, real_root):
         raise DataRootError(
             f"LATTICE_DATA_ROOT ({root}) must not be LATTICE_HOME ({settings.home}) or a folder above it: "
             "jobs could read the service's token and database; use a separate folder (default <home>/data)"
         )
     for name, path in _state_paths(settings):
-        if _inside(os.path.realpath(path), real_root):
+        if inside(os.path.realpath(path), real_root):
             raise DataRootError(
                 f"LATTICE_DATA_ROOT ({root}) contains {name} ({path}): jobs could read it as training data; "
                 "move one of them"
@@ -67,8 +64,9 @@ def _refuse(message: str) -> InvalidRequest:
     return InvalidRequest(f"{FIELD}: {message}", errors=[{"field": FIELD, "message": message}])
 
 
-def _readable_file(path: str, shown: str) -> int:
-    """The size of a regular, readable file; errors never carry the OS error text."""
+def _readable_file(path: str, shown: str, root: str) -> int:
+    """The size of a regular, readable file inside the root, checked as opened (a FIFO does not block
+    it, a link swapped in meanwhile is seen: training.data.confined); errors never carry OS text."""
     try:
         info = os.stat(path)
     except OSError as e:
@@ -76,11 +74,12 @@ def _readable_file(path: str, shown: str) -> int:
     if not stat.S_ISREG(info.st_mode):
         raise _refuse(f"{shown!r} is not a regular file")
     try:
-        with open(path, "rb"):
-            pass
+        with open_confined(path, root, FIELD) as f:
+            return os.fstat(f.fileno()).st_size
+    except ConfinedPathError as e:
+        raise _refuse(f"{shown!r} is not a regular file inside the data root") from e
     except OSError as e:
         raise _refuse(f"{shown!r} cannot be read by the service") from e
-    return info.st_size
 
 
 def _files(real: str, shown: str, root: str) -> list[tuple[str, str]]:
@@ -92,7 +91,7 @@ def _files(real: str, shown: str, root: str) -> list[tuple[str, str]]:
         if not name.endswith(SHARD_SUFFIX):
             continue
         shard = os.path.realpath(os.path.join(real, name))
-        if not _inside(shard, root):
+        if not inside(shard, root):
             raise _refuse(f"shard {name!r} of {shown!r} must be inside the data root (it links out)")
         files.append((shard, f"{shown.rstrip('/')}/{name}"))
     if not files:
@@ -106,7 +105,7 @@ def resolve_data_path(settings: Settings, path: str, *, seq_len: int, dtype: str
     root = os.path.realpath(settings.data_root_path)
     candidate = path if os.path.isabs(path) else os.path.join(root, path)
     real = os.path.realpath(candidate)
-    if not _inside(real, root):
+    if not inside(real, root):
         raise _refuse(
             f"{path!r} must be inside the data root (a path relative to it, or an absolute path under it; "
             "no '..' or links out of it)"
@@ -114,7 +113,7 @@ def resolve_data_path(settings: Settings, path: str, *, seq_len: int, dtype: str
     width = TOKEN_DTYPES.get(dtype, 2)
     counts = []
     for file, shown in _files(real, path, root):
-        size = _readable_file(file, shown)
+        size = _readable_file(file, shown, root)
         if size % width:
             raise _refuse(
                 f"{shown!r} has {size} bytes, not a whole number of {dtype} tokens ({width} bytes each)"

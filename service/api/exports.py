@@ -20,6 +20,7 @@ from service.errors import InvalidRequest, NotFound
 from service.schemas.exports import ExportCreate, ExportPublic
 from service.settings import Settings
 from service.store.models import Job
+from training.data.confined import inside
 
 EXPORT_ID_CHARS = "0123456789abcdef"
 _REPO = Path(__file__).resolve().parents[2]
@@ -30,17 +31,13 @@ def exports_dir(settings: Settings, job_id: str) -> Path:
     return settings.checkpoint_root / job_id / "exports"
 
 
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
 def resolve_output(settings: Settings, output: str | None, default: str) -> Path:
     """A new (or empty) folder inside the data root; refused naming `output` otherwise."""
     root = os.path.realpath(settings.data_root_path)
     path = output or default
     candidate = path if os.path.isabs(path) else os.path.join(root, path)
     real = os.path.realpath(candidate)
-    if not _inside(real, root) or real == root:
+    if not inside(real, root) or real == root:
         message = (f"{path!r} must be a new folder inside the data root (a path relative to it, or an "
                    "absolute path under it; no '..' or links out of it)")
         raise InvalidRequest(f"output: {message}", errors=[{"field": "output", "message": message}])

@@ -4,6 +4,7 @@ attached controllers and what one tick does with them (see the package docstring
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -403,7 +404,8 @@ class Scheduler:
             period = default_checkpoint_period(spec, job.plan or {}, self.settings)
             run_cfg = spec.to_run_config(layout, str(ckpt_dir),
                                          precision=((job.plan or {}).get("train") or {}).get("precision"),
-                                         every_steps=period["every_steps"] if period else None)
+                                         every_steps=period["every_steps"] if period else None,
+                                         data_root=os.path.realpath(self.settings.data_root_path))
             options = admission.controller_options(self.settings, spec, seq, reached_step,
                                                    self._controller_defaults)
             controller = start_controller(job_id, run_cfg, options=options, failure_policy=policy,

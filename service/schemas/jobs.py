@@ -191,10 +191,12 @@ class JobSpec(StrictModel):
             return None
 
     def to_run_config(self, layout: Layout, checkpoint_dir: str | None,
-                      precision: str | None = None, every_steps: int | None = None) -> RunConfig:
+                      precision: str | None = None, every_steps: int | None = None,
+                      data_root: str | None = None) -> RunConfig:
         """What each rank's training loop needs, for the layout the job was placed with and the
         precision its plan used (train.precision, else the plan's default, else fp32); `every_steps`:
-        the checkpoint period when the spec leaves it out (service.checkpoint_period)."""
+        the checkpoint period when the spec leaves it out (service.checkpoint_period); `data_root`:
+        the real data root, which every file the ranks read must still be inside when opened."""
         return RunConfig(
             model=self.model_spec(),
             layout=layout,
@@ -204,7 +206,7 @@ class JobSpec(StrictModel):
                 lr=self.train.lr, weight_decay=self.train.weight_decay, grad_clip=self.train.grad_clip
             ),
             data=DataConfig(kind=self.data.kind, path=self.data.path, seed=self.data.seed,
-                            dtype=self.data.dtype,
+                            dtype=self.data.dtype, root=data_root,
                             validation=(ValidationConfig(**self.data.validation.model_dump())
                                         if self.data.validation is not None else None)),
             checkpoint=CheckpointConfig(
@@ -220,7 +222,8 @@ class JobSpec(StrictModel):
             precision=self.train.precision or precision or "fp32",
             compile=self.train.compile,
             shadow_optimizer=self.fault_tolerance.shadow_optimizer,
-            init_from=(InitConfig(path=self.model.init_from.path, format=self.model.init_from.format)
+            init_from=(InitConfig(path=self.model.init_from.path, format=self.model.init_from.format,
+                                  root=data_root)
                        if self.model.init_from is not None else None),
         )
 

@@ -5,7 +5,10 @@ job's own errors are not the hardware's. One service, three tiny DP = 2 jobs at 
   attempt, with the rank's traceback in its status and failure event, and blames no node;
 - a user's job with an absurd learning rate and weight decay diverges (non-finite at the same step
   on the engine's re-run from the pre-step snapshot): "diverged, reproduced", no node blamed;
-- an admin's kill_rank fault still restarts the job and makes the killed rank's node suspect.
+- an admin's kill_rank fault still restarts the job and makes the killed rank's node suspect;
+- a hostile tenant's job, held in the queue (a quota of 0) after its token file passed the submit
+  check, whose file is then replaced by a link to the service's token file: the ranks refuse the
+  file they opened (outside the data root) as a job error, and never read the token.
 """
 
 from __future__ import annotations
@@ -90,8 +93,14 @@ def test_job_errors_fail_at_once_blaming_no_node_while_a_killed_rank_still_blame
     engine = create_engine(f"sqlite:///{home / 'lattice.db'}")
     with Session(engine) as s:
         user = Api(serve.url, create_token(s, tenant="team-a"))
+        hostile = Api(serve.url, create_token(s, tenant="team-b"))
         s.commit()
     engine.dispose()
+    (np.arange(4096) % VOCAB).astype(np.uint16).tofile(home / "data" / "ok.bin")
+    assert httpx.put(f"{serve.url}/v1/tenants/team-b", json={"gpu_quota": 0}, headers=admin.headers,
+                     timeout=30).status_code == 200
+    swapped_spec = {**_spec("swapped"), "data": {"kind": "tokens", "path": "ok.bin"}}
+    swapped = hostile.post("/v1/jobs", swapped_spec)["id"]
 
     bad_data = {**_spec("bad-data"), "data": {"kind": "tokens", "path": "bad.bin"},
                 "fault_tolerance": {"max_restarts": 5}}
@@ -110,6 +119,16 @@ def test_job_errors_fail_at_once_blaming_no_node_while_a_killed_rank_still_blame
                     httpx.post(f"{serve.url}/v1/jobs/{i}/cancel", headers=admin.headers, timeout=30)
             kill_controller(i)
     data_job, nan_job, kill_job = jobs
+    # the hostile tenant's job, held by its quota, then its checked file replaced by a link to our token
+    (home / "data" / "ok.bin").unlink()
+    (home / "data" / "ok.bin").symlink_to(home / "token")
+    assert httpx.put(f"{serve.url}/v1/tenants/team-b", json={"gpu_quota": None}, headers=admin.headers,
+                     timeout=30).status_code == 200
+    try:
+        swapped_job = admin.wait_done(swapped, f"job {swapped} to end\n{serve.tail()}")
+        swapped_events = admin.events(swapped)
+    finally:
+        kill_controller(swapped)
 
     def story(k: int) -> str:
         return "".join(f"\n{e['seq']} {e['type']} {e['payload']}" for e in events[k]) + serve.tail()
@@ -135,4 +154,13 @@ def test_job_errors_fail_at_once_blaming_no_node_while_a_killed_rank_still_blame
     for k in (0, 1):
         assert not {"node_suspect", "node_quarantined", "attributed"} & {e["type"] for e in events[k]}
     health = {n["id"]: n["health"] for n in cluster["nodes"]}
+    assert {n for n, h in health.items() if h != "ready"} == set(suspects), health
+    # the link swapped in after the submit check is seen on the opened file: the job's own error
+    story_swapped = "".join(f"\n{e['seq']} {e['type']} {e['payload']}" for e in swapped_events) + serve.tail()
+    assert swapped_job["state"] == "failed" and swapped_job["attempt"] == 0, story_swapped
+    assert swapped_job["error"].startswith("job error: DataError: data.path "), story_swapped
+    assert "now leads outside the data root" in swapped_job["error"], story_swapped
+    assert (home / "token").read_text().strip() not in swapped_job["error"] + story_swapped
+    assert not {"node_suspect", "node_quarantined", "attributed"} & {e["type"] for e in swapped_events}
+    health = {n["id"]: n["health"] for n in admin.get("/v1/cluster").json()["nodes"]}
     assert {n for n, h in health.items() if h != "ready"} == set(suspects), health

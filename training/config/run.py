@@ -62,6 +62,7 @@ class DataConfig:
     seed: int = 0
     dtype: str = "uint16"  # token width: "uint16" (nanoGPT's .bin) or "uint32" (vocabularies > 65,536)
     validation: ValidationConfig | None = None
+    root: str | None = None  # set by the service: every file read must be inside (training.data.confined)
 
     def __post_init__(self) -> None:
         if isinstance(self.validation, dict):  # from a job file or RunConfig.from_dict
@@ -74,6 +75,7 @@ class InitConfig:
 
     path: str  # a Hugging Face export folder (model.safetensors) or a torch one (model.pt), or the file
     format: str = "hf"  # "hf" or "torch" (training.interop)
+    root: str | None = None  # set by the service: the file read must be inside (training.data.confined)
 
 
 @dataclass(frozen=True)

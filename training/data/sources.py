@@ -47,7 +47,8 @@ import torch
 
 from training.config.run import DataConfig
 from training.config.spec import ModelSpec
-from training.data.token_files import TokenFileError, shard_tokens, token_files, windows_per_shard
+from training.data.confined import ConfinedPathError, open_confined
+from training.data.token_files import TokenFileError, token_files, tokens_in, windows_per_shard
 
 log = logging.getLogger(__name__)
 
@@ -244,22 +245,27 @@ class TokenFileSource(DataSource):
     _FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of a file: cheap identity for big files
 
     def __init__(self, path: str, seed: int, seq_len: int, vocab: int, global_batch: int,
-                 dtype: str = "uint16", holdout: float = 0.0) -> None:
+                 dtype: str = "uint16", holdout: float = 0.0, root: str | None = None,
+                 field: str = "data.path") -> None:
         super().__init__(seed, seq_len, vocab, global_batch)
         self.path, self.dtype, self.holdout = os.fspath(path), dtype, holdout
         try:
             self.files = token_files(self.path)
-            counts = shard_tokens(self.files, dtype)
         except TokenFileError as e:
             raise DataError(str(e)) from e
         self._mmaps: list[mmap.mmap | None] = []
         self._shards: list[torch.Tensor] = []
-        for f, n in zip(self.files, counts, strict=True):
+        counts = []
+        for f in self.files:  # checked as opened (with root: inside the data root; training.data.confined)
             try:
-                with open(f, "rb") as fh:
+                with open_confined(f, root, field) as fh:
+                    n = tokens_in(f, os.fstat(fh.fileno()).st_size, dtype)
                     m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if n else None
+            except (ConfinedPathError, TokenFileError) as e:
+                raise DataError(str(e)) from e
             except OSError as e:
-                raise DataError(f"data.path {f!r} cannot be read") from e  # no OS error text: no oracle
+                raise DataError(f"{field} {f!r} cannot be read") from e  # no OS error text: no oracle
+            counts.append(n)
             self._mmaps.append(m)
             self._shards.append(_token_view(m, dtype))
         self.n_tokens = sum(counts)
@@ -369,7 +375,8 @@ def make_data_source(cfg: DataConfig, model: ModelSpec, global_batch: int) -> Da
             raise DataError("data.path is required when data.kind is 'tokens'")
         val = cfg.validation
         return TokenFileSource(cfg.path, cfg.seed, model.seq_len, model.vocab, global_batch,
-                               dtype=cfg.dtype, holdout=(val.fraction or 0.0) if val is not None else 0.0)
+                               dtype=cfg.dtype, holdout=(val.fraction or 0.0) if val is not None else 0.0,
+                               root=cfg.root)
     raise DataError(f"data.kind must be 'synthetic' or 'tokens', got {cfg.kind!r}")
 
 

@@ -46,20 +46,25 @@ def token_files(path: str | os.PathLike[str]) -> list[str]:
 
 def shard_tokens(files: list[str], dtype: str) -> list[int]:
     """Tokens in each file; a size that is not a multiple of the dtype's width is an error."""
-    width = check_dtype(dtype)
     counts = []
     for f in files:
         try:
             size = os.path.getsize(f)
         except OSError as e:
             raise TokenFileError(f"data.path {f!r} cannot be read: {e}") from e
-        if size % width:
-            raise TokenFileError(
-                f"data.path {f!r} has {size} bytes; a {dtype} token file has a size that is a multiple "
-                f"of {width}{' (an even size)' if width == 2 else ''} (set data.dtype to the file's width)"
-            )
-        counts.append(size // width)
+        counts.append(tokens_in(f, size, dtype))
     return counts
+
+
+def tokens_in(f: str, size: int, dtype: str) -> int:
+    """Tokens in a file of `size` bytes; a size that is not a multiple of the dtype's width is an error."""
+    width = check_dtype(dtype)
+    if size % width:
+        raise TokenFileError(
+            f"data.path {f!r} has {size} bytes; a {dtype} token file has a size that is a multiple "
+            f"of {width}{' (an even size)' if width == 2 else ''} (set data.dtype to the file's width)"
+        )
+    return size // width
 
 
 def windows_per_shard(counts: list[int], seq_len: int) -> list[int]:

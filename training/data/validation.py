@@ -62,7 +62,8 @@ def validation_source(cfg: RunConfig, train_source: DataSource) -> HeldOutSource
         return None
     spec, batch = cfg.model, cfg.global_batch
     if val.path is not None:
-        src = TokenFileSource(val.path, 0, spec.seq_len, spec.vocab, batch, dtype=cfg.data.dtype)
+        src = TokenFileSource(val.path, 0, spec.seq_len, spec.vocab, batch, dtype=cfg.data.dtype,
+                              root=cfg.data.root, field="data.validation.path")
         return HeldOutSource(_windows(src, 0), src.n_windows, f"path {src.fingerprint()}",
                              spec.seq_len, spec.vocab, batch)
     if isinstance(train_source, TokenFileSource):

@@ -30,7 +30,7 @@ from workers.policies import Failure, FailureClass, FailureKind
 
 # Exceptions of the engine that always mean a bad spec or bad data (training.data, training.config...).
 JOB_ERROR_TYPES = frozenset({"DataError", "SpecError", "LayoutError", "TokenFileError", "MoEError",
-                             "ContextParallelError"})
+                             "ContextParallelError", "InteropError"})
 # A ValueError / TypeError raised in these files is a configuration or data error.
 CONFIG_ORIGINS = ("/training/config/", "/training/data/")
 CONFIG_TYPES = frozenset({"ValueError", "TypeError"})
