@@ -68,7 +68,8 @@ def start_export(settings: Settings, job: Job, request: ExportCreate) -> ExportP
               "step": request.step, "output": str(output), "created": time.time()}
     status_file.write_text(json.dumps(status))
     cmd = [sys.executable, "-m", "training.interop.export", "--checkpoints", str(ckpt_root),
-           "--format", request.format, "--output", str(output), "--status", str(status_file)]
+           "--format", request.format, "--output", str(output), "--status", str(status_file),
+           "--data-root", os.path.realpath(settings.data_root_path)]
     if request.step is not None:
         cmd += ["--step", str(request.step)]
     paths = [str(_REPO), os.environ.get("PYTHONPATH", "")]

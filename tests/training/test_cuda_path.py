@@ -34,7 +34,31 @@ def test_a_gloo_rank_has_no_device_id_and_no_recorder_unless_given_a_folder(monk
     assert [c[0] for c in calls] == ["init"] and calls[0][1]["device_id"] is None
 
 
-def test_fused_adamw_only_for_cuda_parameters() -> None:
-    assert not use_fused_adamw([torch.nn.Parameter(torch.zeros(2))])
+def test_fused_adamw_for_floating_point_parameters_on_cpu_and_cuda() -> None:
+    assert use_fused_adamw([torch.nn.Parameter(torch.zeros(2))])
+    assert not use_fused_adamw([torch.nn.Parameter(torch.zeros(2, device="meta"))])
+    assert not use_fused_adamw([torch.nn.Parameter(torch.zeros(2, dtype=torch.int32), requires_grad=False)])
     assert not use_fused_adamw([])
     assert lattice_dist.default_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def test_the_ranks_optimizer_is_the_fused_kernel_on_cpu() -> None:
+    from training.config.layout import Layout
+    from training.config.run import RunConfig
+    from training.config.spec import ModelSpec
+    from training.parallel.optim import build_optimizer
+
+    model = torch.nn.Linear(4, 4)
+    spec = ModelSpec(layers=1, hidden=16, heads=2, vocab=64, seq_len=8)
+    cfg = RunConfig(model=spec, layout=Layout(), steps=1)
+    opt = build_optimizer([model], Layout(), cfg, None)
+    assert opt.defaults["fused"] is True
+    reference = torch.nn.Linear(4, 4)
+    reference.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay, fused=True)
+    for m, o in ((model, opt), (reference, ref_opt)):
+        torch.manual_seed(0)
+        m(torch.randn(3, 4)).square().sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))

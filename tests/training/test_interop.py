@@ -220,3 +220,33 @@ def test_torch_shapes_never_run_code_from_the_file(tmp_path):
     good = tmp_path / "good.pt"
     torch.save({"a": torch.zeros(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}, good)
     assert torch_shapes(good) == {"a": (2, 3), "b": (4,)}
+
+
+def test_an_export_stays_in_the_data_root_when_a_folder_above_it_is_swapped_for_a_link(
+        tmp_path, monkeypatch):
+    """The service passes its data root: a folder above the output replaced by a link to the service's
+    home before the export starts is refused; one replaced while it writes does not redirect a byte."""
+    import training.interop.export as export
+
+    data = _token_file(tmp_path / "tokens.bin")
+    _train(GQA, data, tmp_path / "ckpt", steps=1)
+    root, home = tmp_path / "data", tmp_path / "home"
+    (root / "exports").mkdir(parents=True)
+    home.mkdir()
+    (root / "old").mkdir()
+    (root / "old").rename(root / "gone")
+    (root / "old").symlink_to(home)  # swapped before the export starts
+    with pytest.raises(InteropError, match=r"^--output .* now leads outside the data root"):
+        export_checkpoint(tmp_path / "ckpt", None, "torch", root / "old" / "x", data_root=str(root))
+    write_files = export._write_files  # noqa: SLF001 - the step the swap must precede
+
+    def swap_then_write(*args, **kwargs):  # the folder above the output swapped while it writes
+        (root / "exports").rename(root / "moved")
+        (root / "exports").symlink_to(home)
+        return write_files(*args, **kwargs)
+
+    monkeypatch.setattr(export, "_write_files", swap_then_write)
+    result = export_checkpoint(tmp_path / "ckpt", None, "torch", root / "exports" / "x", data_root=str(root))
+    assert list(home.iterdir()) == []
+    assert sorted(p.name for p in (root / "moved" / "x").iterdir()) == result["files"]
+    assert {"model.pt", "model.json", "lattice.json"} <= set(result["files"])

@@ -175,6 +175,7 @@ def measure_fsdp_optimizer(world: int, repeats: int) -> float:
     from torch.distributed.device_mesh import init_device_mesh
 
     from training.parallel.fsdp import apply_fsdp
+    from training.parallel.optim import use_fused_adamw
 
     (sharded,), tokens, _, _ = _demo_like(MODEL_HIDDEN, 1)
     apply_fsdp(sharded, init_device_mesh("cpu", (world,)), reshard_after_forward=True, device_type="cpu")
@@ -183,7 +184,8 @@ def measure_fsdp_optimizer(world: int, repeats: int) -> float:
     plain = [nn.Parameter(p.to_local().detach().clone()) for p in dparams]  # type: ignore[attr-defined]
     for p, d in zip(plain, dparams, strict=True):
         p.grad = d.grad.to_local().clone()  # type: ignore[union-attr]
-    steps = [torch.optim.AdamW(ps, lr=1e-3).step for ps in (dparams, plain)]
+    steps = [torch.optim.AdamW(ps, lr=1e-3, fused=use_fused_adamw(ps) or None).step  # as the ranks'
+             for ps in (dparams, plain)]
     return _extra(steps[0], steps[1], MODEL_ITERS // 2, repeats) / len(dparams)
 
 

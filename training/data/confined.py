@@ -30,7 +30,7 @@ def inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def _opened_path(fd: int, fallback: str) -> str:
+def opened_path(fd: int, fallback: str) -> str:
     """The kernel's real path of an open descriptor (links resolved when it was opened)."""
     try:
         return os.readlink(f"/proc/self/fd/{fd}")
@@ -54,7 +54,7 @@ def open_confined(path: str | os.PathLike[str], root: str | None, field: str) ->
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ConfinedPathError(f"{field} {path!r} is not a regular file")
-        if root is not None and not inside(_opened_path(fd, path), root):
+        if root is not None and not inside(opened_path(fd, path), root):
             raise ConfinedPathError(
                 f"{field} {path!r} now leads outside the data root (a link replaced it, or a folder "
                 "above it, after the job was submitted); put the data itself in the data root")

@@ -28,6 +28,7 @@ from typing import Any
 
 from training.config.layout import Layout
 from training.config.spec import ModelSpec, SpecError
+from training.data.confined import inside, opened_path
 from training.interop.names import FORMATS, SAFETENSORS, SPEC_FILE, TORCH_STATE, InteropError, hf_config
 
 LAYOUT_FILE = "layout.json"
@@ -91,9 +92,23 @@ def consolidated_state(ckpt: Path, spec: ModelSpec) -> dict[str, Any]:
     return {canonical_name(k): v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _open_parent(out: Path, data_root: str | None) -> int:
+    """A descriptor of `out`'s folder (created if missing); with `data_root`, checked as opened to lie
+    inside it, so a folder replaced by a link after the service's check cannot redirect the writes
+    (every later write and the final rename go through this descriptor)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out.parent, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    if data_root is not None and not inside(opened_path(fd, str(out.parent)), data_root):
+        os.close(fd)
+        raise InteropError(f"--output {str(out)!r} now leads outside the data root (a link replaced a "
+                           "folder above it after the export was requested); choose another folder")
+    return fd
+
+
 def export_checkpoint(root: str | os.PathLike[str], step: int | None, fmt: str,
-                      output: str | os.PathLike[str]) -> dict[str, Any]:
-    """Write the export of one checkpoint to `output`; returns what was written."""
+                      output: str | os.PathLike[str], data_root: str | None = None) -> dict[str, Any]:
+    """Write the export of one checkpoint to `output`; returns what was written. `data_root` (the
+    service's): the files must land inside it, however the folders above `output` change meanwhile."""
     if fmt not in FORMATS:
         raise InteropError(f"--format must be one of {list(FORMATS)}, got {fmt!r}")
     out = Path(output)
@@ -103,9 +118,34 @@ def export_checkpoint(root: str | os.PathLike[str], step: int | None, fmt: str,
     spec, layout = checkpoint_spec(ckpt)
     config = hf_config(spec) if fmt == "hf" else None  # refuses what has no mapping, before any work
     state = consolidated_state(ckpt, spec)
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    parent = _open_parent(out, data_root)
+    try:
+        return _write(parent, out, fmt, spec, config, state, ckpt, layout)
+    finally:
+        os.close(parent)
+
+
+def _write(parent: int, out: Path, fmt: str, spec: ModelSpec, config: dict[str, Any] | None,
+           state: dict[str, Any], ckpt: Path, layout: dict[str, Any]) -> dict[str, Any]:
+    """Write `out.partial` inside the folder `parent` (a descriptor), then rename it to `out`."""
+    name = out.name + ".partial"
+    shutil.rmtree(name, ignore_errors=True, dir_fd=parent)
+    os.mkdir(name, dir_fd=parent)
+    folder = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+    try:
+        via_fd = Path(f"/proc/self/fd/{folder}")  # the folder made above, whatever its name now leads to
+        partial = via_fd if via_fd.is_dir() else out.with_name(name)
+        info = _write_files(partial, fmt, spec, config, state, ckpt, layout)
+        if out.name in os.listdir(parent):
+            os.rmdir(out.name, dir_fd=parent)
+        os.replace(name, out.name, src_dir_fd=parent, dst_dir_fd=parent)
+        return {**info, "output": str(out), "files": sorted(os.listdir(folder))}
+    finally:
+        os.close(folder)
+
+
+def _write_files(partial: Path, fmt: str, spec: ModelSpec, config: dict[str, Any] | None,
+                 state: dict[str, Any], ckpt: Path, layout: dict[str, Any]) -> dict[str, Any]:
     if fmt == "hf":
         from safetensors.torch import save_file
 
@@ -124,10 +164,7 @@ def export_checkpoint(root: str | os.PathLike[str], step: int | None, fmt: str,
     info = {"format": fmt, "step": step_done, "checkpoint": str(ckpt), "layout": layout,
             "model": spec.to_dict()}
     (partial / "lattice.json").write_text(json.dumps(info, indent=1, sort_keys=True))
-    if out.exists():
-        out.rmdir()
-    os.replace(partial, out)
-    return {**info, "output": str(out), "files": sorted(p.name for p in out.iterdir())}
+    return info
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,12 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", required=True, help="hf (Hugging Face Llama/Mixtral) or torch")
     parser.add_argument("--output", required=True, help="a new folder for the exported files")
     parser.add_argument("--status", help="a JSON status file to keep up to date")
+    parser.add_argument("--data-root", help="the service's data root: the output must stay inside it")
     args = parser.parse_args(argv)
     write_status(args.status, state="running", pid=os.getpid(), started=time.time())
     from training.checkpoint.manifest import CheckpointError
 
     try:
-        result = export_checkpoint(args.checkpoints, args.step, args.format, args.output)
+        result = export_checkpoint(args.checkpoints, args.step, args.format, args.output, args.data_root)
     except (InteropError, SpecError, ValueError, OSError, CheckpointError) as e:
         write_status(args.status, state="failed", error=str(e))
         print(f"error: {e}", file=sys.stderr)

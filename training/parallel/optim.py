@@ -79,7 +79,7 @@ def build_optimizer(model_parts: list[nn.Module], layout: Layout, run_cfg: RunCo
     o = run_cfg.optim
     kwargs: dict[str, Any] = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     if use_fused_adamw(params):
-        kwargs["fused"] = True  # one kernel per step on CUDA instead of a foreach chain
+        kwargs["fused"] = True  # one kernel per tensor instead of ~10 passes (CPU) or a foreach chain
     if layout.zero_stage == 1 and dp_group is not None and dist.get_world_size(dp_group) > 1:
         # Shadow shards only where a peer recovery can use them (fp32, no CP or EP: the blocker).
         shadow = run_cfg.shadow_optimizer and run_cfg.peer_recovery_blocker() is None
@@ -88,9 +88,16 @@ def build_optimizer(model_parts: list[nn.Module], layout: Layout, run_cfg: RunCo
 
 
 def use_fused_adamw(params: list[torch.Tensor]) -> bool:
-    """torch's fused AdamW applies: every parameter is a floating-point tensor on CUDA (fused=True
-    raises on CPU tensors, so a CPU run keeps the default foreach implementation)."""
-    return bool(params) and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
+    """torch's fused AdamW applies: every parameter is a floating-point tensor (plain or DTensor) on
+    CUDA or CPU. On CPU torch otherwise picks the single-tensor loop (foreach kernels are CUDA-only):
+    ~10 elementwise passes per tensor, measured 4x the fused step for the demo model's tensors on one
+    thread (training.calibration measures the step the ranks run)."""
+    if not params or not all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params):
+        return False
+    # One kernel call takes the whole list: plain tensors, or DTensors of one mesh. A list that mixes
+    # them (expert parallel: the experts are DTensors, the rest plain) is refused by DTensor's dispatch.
+    meshes = {p.device_mesh if isinstance(p, DTensor) else None for p in params}
+    return len(meshes) == 1
 
 
 @torch.no_grad()

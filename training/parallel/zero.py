@@ -98,8 +98,8 @@ class ShardedOptimizer(Optimizer):
         self._broadcast_plan: list[tuple[int, list[list[torch.Tensor]]]] | None = None
         self._inner_kwargs = kwargs
         # The outer groups carry every hyper-parameter (LR schedulers read and write them there);
-        # a probe instance gives the class's defaults for those the caller did not pass (a CPU probe:
-        # without `fused`, which refuses CPU tensors; the groups still carry the caller's value).
+        # a probe instance gives the class's defaults for those the caller did not pass (a CPU probe,
+        # without `fused`, which no default depends on; the groups still carry the caller's value).
         probe = optimizer_cls([torch.zeros(1, requires_grad=True)],
                               **{k: v for k, v in kwargs.items() if k != "fused"})
         super().__init__(params, {**probe.defaults, **kwargs})
