@@ -10,6 +10,7 @@ import os
 from service.errors import InvalidRequest
 from service.settings import Settings
 from training.config.spec import ModelSpec
+from training.data.confined import inside
 from training.interop.names import InteropError, check_weights
 
 FIELD = "model.init_from.path"
@@ -23,7 +24,7 @@ def resolve_init_from(settings: Settings, path: str, fmt: str, spec: ModelSpec) 
     """The real absolute path of the weights, checked against `spec`; InvalidRequest otherwise."""
     root = os.path.realpath(settings.data_root_path)
     real = os.path.realpath(path if os.path.isabs(path) else os.path.join(root, path))
-    if not real.startswith(root.rstrip(os.sep) + os.sep):
+    if not inside(real, root) or real == root:
         raise _refuse(FIELD, f"{path!r} must be inside the data root (a path relative to it, or an "
                              "absolute path under it; no '..' or links out of it)")
     try:

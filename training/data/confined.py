@@ -44,6 +44,13 @@ def opened_path(fd: int, fallback: str) -> str:
     return os.path.realpath(fallback)  # pragma: no cover - no way to ask the kernel here
 
 
+def by_descriptor(fd: int) -> str | None:
+    """A path that reaches an open descriptor's file itself, whatever its name now leads to (Linux's
+    /proc/self/fd), or None where there is none."""
+    path = f"/proc/self/fd/{fd}"
+    return path if os.path.exists(path) else None
+
+
 def open_confined(path: str | os.PathLike[str], root: str | None, field: str) -> BinaryIO:
     """`path` opened for reading, refused (ConfinedPathError naming `field`) unless it is a regular
     file and, with `root` (a real path), the file opened lies inside it. OSError when it cannot be

@@ -28,7 +28,7 @@ from typing import Any
 
 from training.config.layout import Layout
 from training.config.spec import ModelSpec, SpecError
-from training.data.confined import inside, opened_path
+from training.data.confined import by_descriptor, inside, opened_path
 from training.interop.names import FORMATS, SAFETENSORS, SPEC_FILE, TORCH_STATE, InteropError, hf_config
 
 LAYOUT_FILE = "layout.json"
@@ -133,8 +133,8 @@ def _write(parent: int, out: Path, fmt: str, spec: ModelSpec, config: dict[str, 
     os.mkdir(name, dir_fd=parent)
     folder = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
     try:
-        via_fd = Path(f"/proc/self/fd/{folder}")  # the folder made above, whatever its name now leads to
-        partial = via_fd if via_fd.is_dir() else out.with_name(name)
+        via_fd = by_descriptor(folder)  # the folder made above, whatever its name now leads to
+        partial = Path(via_fd) if via_fd else out.with_name(name)
         info = _write_files(partial, fmt, spec, config, state, ckpt, layout)
         if out.name in os.listdir(parent):
             os.rmdir(out.name, dir_fd=parent)

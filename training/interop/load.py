@@ -4,14 +4,12 @@ parts, whatever the layout: every parameter takes its slice of the full tensor b
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from training.config.run import InitConfig
 from training.config.spec import ModelSpec
-from training.data.confined import ConfinedPathError, open_confined
+from training.data.confined import ConfinedPathError, by_descriptor, open_confined
 from training.interop.names import InteropError, canonical_shapes, weights_file
 
 
@@ -25,8 +23,8 @@ def canonical_weights(init: InitConfig, spec: ModelSpec) -> dict[str, torch.Tens
 
                 from training.interop.hf import from_hf
 
-                opened = f"/proc/self/fd/{f.fileno()}"  # the same file again, memory-mapped (Linux)
-                state = from_hf(load_file(opened) if os.path.exists(opened) else load(f.read()), spec)
+                opened = by_descriptor(f.fileno())  # the same file again, memory-mapped
+                state = from_hf(load_file(opened) if opened else load(f.read()), spec)
             else:
                 state = torch.load(f, map_location="cpu", weights_only=True)
     except ConfinedPathError as e:
