@@ -10,7 +10,7 @@ import os
 from service.errors import InvalidRequest
 from service.settings import Settings
 from training.config.spec import ModelSpec
-from training.data.confined import inside
+from training.data.confined import ConfinedPathError, inside
 from training.interop.names import InteropError, check_weights
 
 FIELD = "model.init_from.path"
@@ -28,12 +28,13 @@ def resolve_init_from(settings: Settings, path: str, fmt: str, spec: ModelSpec) 
         raise _refuse(FIELD, f"{path!r} must be inside the data root (a path relative to it, or an "
                              "absolute path under it; no '..' or links out of it)")
     try:
-        check_weights(spec, real, fmt)
+        check_weights(spec, real, fmt, root)
     except InteropError as e:
         message = str(e).replace(real, path)  # the user's path, never the server's layout
         for prefix in (f"{FIELD}: ", f"{FIELD} ", "model.init_from: "):
             message = message.removeprefix(prefix)
-        raise _refuse(FIELD if "does not exist" in message else "model.init_from", message) from e
+        about_path = "does not exist" in message or isinstance(e.__cause__, ConfinedPathError)
+        raise _refuse(FIELD if about_path else "model.init_from", message) from e
     return real
 
 

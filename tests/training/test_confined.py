@@ -147,3 +147,52 @@ def test_init_from_weights_are_checked_as_opened(layout: tuple[str, Path, Path])
     _swap_for_link(folder / "model.pt", secret.parent / "model.pt")
     with pytest.raises(InteropError, match=r"^model.init_from.path .* now leads outside the data root"):
         canonical_weights(InitConfig(path=str(folder), format="torch", root=root), spec)
+
+
+@pytest.mark.parametrize("swap", ["link", "fifo"])
+def test_the_submit_time_shape_check_reads_what_it_opened(layout: tuple[str, Path, Path], swap: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service's shape check of `model.init_from` (training.interop.names.check_weights, on an API
+    thread): a link or a FIFO swapped in just after the weights' name was checked is refused, naming
+    the field; the FIFO does not hold the thread (on the old code it waited for a writer)."""
+    import training.interop.names as names
+    from training.model.transformer import Transformer, canonical_name
+
+    root, _, secret = layout
+    torch.manual_seed(0)
+    state = {canonical_name(k): v for k, v in Transformer(SPEC).state_dict().items()}
+    folder = Path(root) / "init"
+    folder.mkdir()
+    torch.save(state, folder / "model.pt")
+    names.check_weights(SPEC, folder, "torch", root)  # the file as it was submitted passes
+    torch.save(state, secret.parent / "model.pt")
+    checked_name = names.weights_file
+
+    def swapped_after_the_name_check(path: str, fmt: str) -> Path:
+        target = checked_name(path, fmt)
+        target.unlink()
+        if swap == "link":
+            target.symlink_to(secret.parent / "model.pt")
+        else:
+            os.mkfifo(target)
+        return target
+
+    monkeypatch.setattr(names, "weights_file", swapped_after_the_name_check)
+    outcome: list[BaseException] = []
+
+    def attempt() -> None:
+        try:
+            names.check_weights(SPEC, folder, "torch", root)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            outcome.append(e)
+
+    t = threading.Thread(target=attempt, daemon=True)
+    t.start()
+    t.join(30)
+    if t.is_alive():
+        with open(folder / "model.pt", "wb"):
+            pass
+        pytest.fail("the shape check blocked on a FIFO")
+    expected = "now leads outside the data root" if swap == "link" else "is not a regular file"
+    assert [type(e) for e in outcome] == [InteropError], outcome
+    assert str(outcome[0]).startswith("model.init_from.path ") and expected in str(outcome[0])

@@ -250,3 +250,28 @@ def test_an_export_stays_in_the_data_root_when_a_folder_above_it_is_swapped_for_
     assert list(home.iterdir()) == []
     assert sorted(p.name for p in (root / "moved" / "x").iterdir()) == result["files"]
     assert {"model.pt", "model.json", "lattice.json"} <= set(result["files"])
+
+
+def test_an_export_creates_nothing_outside_the_data_root(tmp_path):
+    """Folders missing above the output are created from the data root's descriptor without following
+    links: one swapped for a link to the service's home is refused before anything is made through it
+    (the old code's mkdir(parents=True) made `home/new` first, then refused)."""
+    data = _token_file(tmp_path / "tokens.bin")
+    _train(GQA, data, tmp_path / "ckpt", steps=1)
+    root, home = tmp_path / "data", tmp_path / "home"
+    root.mkdir()
+    home.mkdir()
+    (root / "exports").symlink_to(home)
+    with pytest.raises(InteropError, match=r"^--output .* now leads outside the data root"):
+        export_checkpoint(tmp_path / "ckpt", None, "torch", root / "exports" / "new" / "x",
+                          data_root=str(root))
+    assert list(home.iterdir()) == []
+    (root / "file").write_text("not a folder")
+    with pytest.raises(InteropError, match=r"'file' above it is not a folder"):
+        export_checkpoint(tmp_path / "ckpt", None, "torch", root / "file" / "x", data_root=str(root))
+    with pytest.raises(InteropError, match=r"is not inside the data root"):
+        export_checkpoint(tmp_path / "ckpt", None, "torch", tmp_path / "elsewhere" / "x", data_root=str(root))
+    assert not (tmp_path / "elsewhere").exists()
+    result = export_checkpoint(tmp_path / "ckpt", None, "torch", root / "a" / "b" / "x", data_root=str(root))
+    written = {p.name for p in (root / "a" / "b" / "x").iterdir()}
+    assert {"model.pt", "model.json"} <= set(result["files"]) == written

@@ -18,9 +18,11 @@ asynchronous exports. Exit code 0 on success, 2 on an error the user can fix (me
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import stat
 import sys
 import time
 from pathlib import Path
@@ -93,15 +95,37 @@ def consolidated_state(ckpt: Path, spec: ModelSpec) -> dict[str, Any]:
 
 
 def _open_parent(out: Path, data_root: str | None) -> int:
-    """A descriptor of `out`'s folder (created if missing); with `data_root`, checked as opened to lie
-    inside it, so a folder replaced by a link after the service's check cannot redirect the writes
-    (every later write and the final rename go through this descriptor)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out.parent, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
-    if data_root is not None and not inside(opened_path(fd, str(out.parent)), data_root):
+    """A descriptor of `out`'s folder (created if missing). With `data_root` the folders are opened and
+    created one at a time from the root's descriptor, never following a link: a folder replaced by a
+    link after the service's check is refused before anything is created through it, and every later
+    write and the final rename go through this descriptor."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+    if data_root is None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(out.parent, flags)
+    rel = os.path.relpath(os.path.abspath(out.parent), data_root)
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        raise InteropError(f"--output {str(out)!r} is not inside the data root")
+    fd = os.open(data_root, flags)
+    try:
+        for part in [p for p in rel.split(os.sep) if p not in ("", os.curdir)]:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, dir_fd=fd)
+            try:
+                child = os.open(part, flags | getattr(os, "O_NOFOLLOW", 0), dir_fd=fd)
+            except OSError as e:
+                if stat.S_ISLNK(os.lstat(part, dir_fd=fd).st_mode):
+                    raise InteropError(f"--output {str(out)!r} now leads outside the data root (a link "
+                                       "replaced a folder above it after the export was requested); choose "
+                                       "another folder") from e
+                raise InteropError(f"--output {str(out)!r}: {part!r} above it is not a folder") from e
+            os.close(fd)
+            fd = child
+        if not inside(opened_path(fd, str(out.parent)), data_root):
+            raise InteropError(f"--output {str(out)!r} now leads outside the data root")
+    except BaseException:
         os.close(fd)
-        raise InteropError(f"--output {str(out)!r} now leads outside the data root (a link replaced a "
-                           "folder above it after the export was requested); choose another folder")
+        raise
     return fd
 
 

@@ -16,15 +16,17 @@ Lattice's canonical names are listed in training/model/transformer.py. Hugging F
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import struct
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from training.config.spec import ModelSpec
+from training.data.confined import ConfinedPathError, open_confined
 
 FORMATS = ("hf", "torch")
 SAFETENSORS = "model.safetensors"
@@ -173,10 +175,11 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 # ---- shapes inside files, without torch -------------------------------------------------------
-def safetensors_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes from a safetensors header (8-byte little-endian length, then JSON)."""
+def safetensors_shapes(path: str | os.PathLike[str], f: BinaryIO | None = None) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes from a safetensors header (8-byte little-endian length, then JSON), read from `f`
+    when given (an open file: what was checked is what is read), else from `path`."""
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") if f is None else contextlib.nullcontext(f) as f:
             (length,) = struct.unpack("<Q", f.read(8))
             if length > 100 << 20:
                 raise InteropError(f"{path}: safetensors header of {length} bytes is not plausible")
@@ -210,10 +213,11 @@ class _ShapeUnpickler(pickle.Unpickler):
         return pid
 
 
-def torch_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes of a torch.save'd flat state dict (zip format) read without torch."""
+def torch_shapes(path: str | os.PathLike[str], f: BinaryIO | None = None) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of a torch.save'd flat state dict (zip format) read without torch, from `f` when
+    given (an open file), else from `path`."""
     try:
-        with zipfile.ZipFile(path) as z:
+        with zipfile.ZipFile(path if f is None else f) as z:
             pkl = next(n for n in z.namelist() if n.endswith("/data.pkl"))
             with z.open(pkl) as f:
                 state = _ShapeUnpickler(f).load()
@@ -235,14 +239,23 @@ def weights_file(path: str | os.PathLike[str], fmt: str) -> Path:
     return target
 
 
-def check_weights(spec: ModelSpec, path: str | os.PathLike[str], fmt: str) -> None:
-    """Refuse weights whose tensors do not match `spec`, naming the first mismatch (torch-free)."""
+def check_weights(spec: ModelSpec, path: str | os.PathLike[str], fmt: str, root: str | None = None) -> None:
+    """Refuse weights whose tensors do not match `spec`, naming the first mismatch (torch-free). The
+    file is read as opened (training.data.confined): a regular file, inside `root` when given, so a
+    link or a FIFO swapped in after the path was resolved is refused instead of followed or waited on."""
     target = weights_file(path, fmt)
     if fmt == "hf":
         check_hf_exportable(spec)
-        expected, found = hf_shapes(spec), safetensors_shapes(target)
-    else:
-        expected, found = canonical_shapes(spec), torch_shapes(target)
+    try:
+        with open_confined(target, root, "model.init_from.path") as f:
+            if fmt == "hf":
+                expected, found = hf_shapes(spec), safetensors_shapes(target, f)
+            else:
+                expected, found = canonical_shapes(spec), torch_shapes(target, f)
+    except ConfinedPathError as e:
+        raise InteropError(str(e)) from e
+    except OSError as e:
+        raise InteropError(f"model.init_from.path {str(target)!r} cannot be read") from e
     for name, shape in expected.items():
         if name not in found:
             raise InteropError(f"model.init_from: {target} has no tensor {name!r} that the model needs")
