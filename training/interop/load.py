@@ -9,28 +9,23 @@ from torch import nn
 
 from training.config.run import InitConfig
 from training.config.spec import ModelSpec
-from training.data.confined import ConfinedPathError, by_descriptor, open_confined
-from training.interop.names import InteropError, canonical_shapes, weights_file
+from training.data.confined import by_descriptor
+from training.interop.names import InteropError, canonical_shapes, opened_weights, weights_file
 
 
 def canonical_weights(init: InitConfig, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """The full canonical state dict of the weights `init` names, shapes checked against `spec`."""
     target = weights_file(init.path, init.format)
-    try:  # the file opened is checked, not its name (a link swapped in after submit: data.confined)
-        with open_confined(target, init.root, "model.init_from.path") as f:
-            if init.format == "hf":
-                from safetensors.torch import load, load_file
+    with opened_weights(target, init.root) as f:  # checked as opened, not by name (data.confined)
+        if init.format == "hf":
+            from safetensors.torch import load, load_file
 
-                from training.interop.hf import from_hf
+            from training.interop.hf import from_hf
 
-                opened = by_descriptor(f.fileno())  # the same file again, memory-mapped
-                state = from_hf(load_file(opened) if opened else load(f.read()), spec)
-            else:
-                state = torch.load(f, map_location="cpu", weights_only=True)
-    except ConfinedPathError as e:
-        raise InteropError(str(e)) from e
-    except OSError as e:
-        raise InteropError(f"model.init_from.path {str(target)!r} cannot be read") from e
+            opened = by_descriptor(f.fileno())  # the same file again, memory-mapped
+            state = from_hf(load_file(opened) if opened else load(f.read()), spec)
+        else:
+            state = torch.load(f, map_location="cpu", weights_only=True)
         if spec.tied_embeddings and "tok_embeddings.weight" in state:
             state["output.weight"] = state["tok_embeddings.weight"]
     for name, shape in canonical_shapes(spec).items():

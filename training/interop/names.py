@@ -22,6 +22,7 @@ import os
 import pickle
 import struct
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -179,11 +180,11 @@ def safetensors_shapes(path: str | os.PathLike[str], f: BinaryIO | None = None) 
     """Tensor shapes from a safetensors header (8-byte little-endian length, then JSON), read from `f`
     when given (an open file: what was checked is what is read), else from `path`."""
     try:
-        with open(path, "rb") if f is None else contextlib.nullcontext(f) as f:
-            (length,) = struct.unpack("<Q", f.read(8))
+        with open(path, "rb") if f is None else contextlib.nullcontext(f) as src:
+            (length,) = struct.unpack("<Q", src.read(8))
             if length > 100 << 20:
                 raise InteropError(f"{path}: safetensors header of {length} bytes is not plausible")
-            header = json.loads(f.read(length))
+            header = json.loads(src.read(length))
     except (OSError, struct.error, ValueError) as e:
         raise InteropError(f"{path} is not a readable safetensors file: {e}") from e
     return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
@@ -219,8 +220,8 @@ def torch_shapes(path: str | os.PathLike[str], f: BinaryIO | None = None) -> dic
     try:
         with zipfile.ZipFile(path if f is None else f) as z:
             pkl = next(n for n in z.namelist() if n.endswith("/data.pkl"))
-            with z.open(pkl) as f:
-                state = _ShapeUnpickler(f).load()
+            with z.open(pkl) as member:
+                state = _ShapeUnpickler(member).load()
     except (OSError, zipfile.BadZipFile, StopIteration, pickle.UnpicklingError, EOFError) as e:
         raise InteropError(f"{path} is not a torch state dict Lattice can read: {e}") from e
     if not isinstance(state, dict):
@@ -239,6 +240,19 @@ def weights_file(path: str | os.PathLike[str], fmt: str) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def opened_weights(target: Path, root: str | None) -> Iterator[BinaryIO]:
+    """The weights file `target` (weights_file's) opened as training.data.confined opens it: a regular
+    file, inside `root` when given. Its refusal, and an OS error while it is read, as InteropError."""
+    try:
+        with open_confined(target, root, "model.init_from.path") as f:
+            yield f
+    except ConfinedPathError as e:
+        raise InteropError(str(e)) from e
+    except OSError as e:
+        raise InteropError(f"model.init_from.path {str(target)!r} cannot be read") from e
+
+
 def check_weights(spec: ModelSpec, path: str | os.PathLike[str], fmt: str, root: str | None = None) -> None:
     """Refuse weights whose tensors do not match `spec`, naming the first mismatch (torch-free). The
     file is read as opened (training.data.confined): a regular file, inside `root` when given, so a
@@ -246,16 +260,11 @@ def check_weights(spec: ModelSpec, path: str | os.PathLike[str], fmt: str, root:
     target = weights_file(path, fmt)
     if fmt == "hf":
         check_hf_exportable(spec)
-    try:
-        with open_confined(target, root, "model.init_from.path") as f:
-            if fmt == "hf":
-                expected, found = hf_shapes(spec), safetensors_shapes(target, f)
-            else:
-                expected, found = canonical_shapes(spec), torch_shapes(target, f)
-    except ConfinedPathError as e:
-        raise InteropError(str(e)) from e
-    except OSError as e:
-        raise InteropError(f"model.init_from.path {str(target)!r} cannot be read") from e
+    with opened_weights(target, root) as f:
+        if fmt == "hf":
+            expected, found = hf_shapes(spec), safetensors_shapes(target, f)
+        else:
+            expected, found = canonical_shapes(spec), torch_shapes(target, f)
     for name, shape in expected.items():
         if name not in found:
             raise InteropError(f"model.init_from: {target} has no tensor {name!r} that the model needs")
