@@ -69,12 +69,17 @@ def death(
 def hang(stale: list[int], status: GroupStatus, attempt: Attempt, timeout_s: float, step: Any) -> Failure:
     """`stale` ranks made no progress. Everyone waits in the collective the hung rank never joined:
     the culprits are the ranks whose last report is furthest behind ((step, entered the
-    collective)), else the ones that stopped earliest (lowest step, then longest silence)."""
-    markers = {r: attempt.markers.get(r) for r in stale}
+    collective)), else the ones that stopped earliest (lowest step, then longest silence).
+
+    The reports of every running rank are compared, not only the stale ones': the hung rank's last
+    report (its step) may come a few milliseconds after its peers' (entering the collective that
+    follows), so the peers go stale first, and among them alone the furthest behind is a waiter."""
+    running = sorted(r for r, s in status.ranks.items() if s.state == "running")
+    markers = {r: attempt.markers.get(r) for r in running or stale}
     evidence: dict[str, Any] = {"stale_ranks": stale,
                                 "last_report": {str(r): m for r, m in markers.items()}}
     known = {r: m for r, m in markers.items() if m is not None}
-    if len(known) == len(stale) and len(set(known.values())) > 1:
+    if len(known) == len(markers) and len(set(known.values())) > 1:
         low = min(known.values())
         culprits = sorted(r for r, m in known.items() if m == low)
         waiting = sorted(r for r, m in known.items() if m != low)
