@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +19,13 @@ log = logging.getLogger(__name__)
 # otherwise spend on the recovery path.
 WARM_MODULES = ("torch", "torch.distributed.checkpoint", "training.checkpoint.checkpointer", "training.train")
 # What only pipeline-parallel ranks import (training.train imports it for pp > 1): torch's pipelining
-# brings torch._dynamo, ~0.7 s of a core. A new job's ranks do not import it ahead of need (a job
-# without pp would pay it on its start); a process kept for later use does (a warm process, a hot
-# spare), so that a replacement joining a pipeline does not import it on the recovery path.
+# brings torch._dynamo, ~0.7 s of a core (a fifth of the engine's imports). The processes of a job with
+# pipeline stages import it ahead of need, so that a replacement joining a pipeline does not import it
+# on the recovery path; those of a job without (`rank_env`: its ranks and its warm processes) do not:
+# every one of them would pay it, and on the 2-core embedded cluster the job's first steps with it. A
+# hot spare does whatever its job's layout (workers.rank.RankActor.ready: it may join a replanned one).
 PIPELINE_MODULES = ("training.parallel.pipeline",)
+PRELOAD_PIPELINE_ENV = "LATTICE_PRELOAD_PIPELINE"  # "0" in the rank env of a job without pipeline stages
 # Ray's worker setup hook for rank actors (workers.warm_workers): a worker process runs it at its start.
 SETUP_HOOK = "workers.engine_imports.preload"
 process_started_at: float | None = None  # set by the hook: when this process was created (None: no hook)
@@ -32,15 +35,22 @@ CAP_SYS_NICE = 23  # linux/capability.h
 
 
 def preload() -> None:
-    """Ray's setup hook of a rank worker process: import WARM_MODULES and PIPELINE_MODULES in the
-    background, at idle CPU priority until an actor claims the process (`claim`). A warm process that
-    waits for work (a replacement's, workers.warm_workers) thus never takes a core from ranks
-    computing on the same host, as ten of them importing torch did from a job on the 2-core embedded
-    cluster (2-4x slower steps for its first ~40 s); on a GPU node, whose host cores are mostly idle,
-    it is warm as soon."""
+    """Ray's setup hook of a rank worker process: import WARM_MODULES, and PIPELINE_MODULES unless its
+    job has no pipeline stages (`rank_env`), in the background, at idle CPU priority until an actor
+    claims the process (`claim`). A warm process that waits for work (a replacement's,
+    workers.warm_workers) thus never takes a core from ranks computing on the same host, as ten of
+    them importing torch did from a job on the 2-core embedded cluster (2-4x slower steps for its
+    first ~40 s); on a GPU node, whose host cores are mostly idle, it is warm as soon."""
     global process_started_at, _preloading
     process_started_at = process_start_time()
-    _preloading = warm_imports(WARM_MODULES + PIPELINE_MODULES, idle=may_raise_priority())
+    pipeline = PIPELINE_MODULES if os.environ.get(PRELOAD_PIPELINE_ENV, "1") != "0" else ()
+    _preloading = warm_imports(WARM_MODULES + pipeline, idle=may_raise_priority())
+
+
+def rank_env(env_vars: Mapping[str, str], pp: int) -> dict[str, str]:
+    """The environment of a job's rank processes: `env_vars`, and whether `preload` imports the
+    pipeline engine (only for a layout with pipeline stages)."""
+    return {**env_vars, PRELOAD_PIPELINE_ENV: "1" if pp > 1 else "0"}
 
 
 def claim() -> None:

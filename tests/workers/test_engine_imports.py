@@ -96,3 +96,17 @@ def test_a_rank_without_pp_never_imports_the_pipeline_engine_a_warm_process_does
     preloaded = _imported_after("from workers import engine_imports as e\ne.preload()\n"
                                 "e._preloading.join(120)")
     assert {"torch.distributed.pipelining", "torch._dynamo", "training.train"} <= preloaded
+
+
+@pytest.mark.parametrize(("env", "pipeline"), [(engine_imports.rank_env({}, 1), False),
+                                               (engine_imports.rank_env({}, 4), True), ({}, True)])
+def test_the_setup_hook_imports_the_pipeline_engine_unless_the_job_has_no_stages(
+        monkeypatch: pytest.MonkeyPatch, env: dict[str, str], pipeline: bool) -> None:
+    asked: list[tuple[str, ...]] = []
+    monkeypatch.delenv(engine_imports.PRELOAD_PIPELINE_ENV, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(engine_imports, "warm_imports", lambda modules, **kw: asked.append(modules))
+    monkeypatch.setattr(engine_imports, "_preloading", None)
+    engine_imports.preload()
+    assert asked == [engine_imports.WARM_MODULES + (engine_imports.PIPELINE_MODULES if pipeline else ())]

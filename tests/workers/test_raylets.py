@@ -64,3 +64,34 @@ def test_a_jobs_warm_process_is_counted_renewed_taken_and_ended(ray_cluster) -> 
         warm.release()
     assert warm.mine == {}
     assert until(lambda: not processes_with_env(marker)), "the job's idle process outlived its release"
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_rank_process_preloads_the_pipeline_engine_only_for_a_job_with_stages(ray_cluster, pp) -> None:
+    """The setup hook of a rank process (its job's ranks, warm processes) imports the engine in the
+    background; torch's pipelining (torch._dynamo, ~0.7 s of a core) only where the layout has stages."""
+    import ray
+
+    from workers.engine_imports import rank_env
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def imported(self) -> dict[str, bool]:
+            import sys
+            import threading
+
+            from workers import engine_imports
+
+            assert engine_imports.process_started_at is not None, "the setup hook did not run"
+            for thread in threading.enumerate():
+                if thread.name == "lattice-warm-imports":
+                    thread.join(120)
+            return {name: name in sys.modules for name in ("training.train", "training.parallel.pipeline")}
+
+    env = rank_runtime_env(rank_env({"LATTICE_TEST_RAYLETS": uuid.uuid4().hex}, pp))
+    probe = Probe.options(runtime_env=env).remote()
+    try:
+        seen = ray.get(probe.imported.remote(), timeout=180)
+    finally:
+        ray.kill(probe, no_restart=True)
+    assert seen == {"training.train": True, "training.parallel.pipeline": pp > 1}

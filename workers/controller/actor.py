@@ -26,7 +26,7 @@ from workers.controller.injection import kill_node
 from workers.controller.machine import ControllerStateMachine
 from workers.controller.options import ControllerOptions
 from workers.controller.scrub import LocalCheckpointOps
-from workers.engine_imports import warm_imports
+from workers.engine_imports import rank_env, warm_imports
 from workers.names import NAMESPACE, controller_name, head_node_id
 from workers.policies import FailurePolicy, ScalingPolicy
 from workers.referee import RayReferee
@@ -68,7 +68,7 @@ class JobController:
             collective_timeout_s=opts.collective_timeout_s,
             train_fn=opts.train_fn,
             flops_per_token=opts.flops_per_token,
-            env_vars=opts.env_vars,
+            env_vars=rank_env(opts.env_vars, run_cfg.layout.pp),
             should_stop=lambda: self._sm.cancel_requested,
             log_max_bytes=opts.log_max_bytes,
             log_backups=opts.log_backups,
