@@ -74,8 +74,8 @@ def hang(stale: list[int], status: GroupStatus, attempt: Attempt, timeout_s: flo
     The reports of every running rank are compared, not only the stale ones': the hung rank's last
     report (its step) may come a few milliseconds after its peers' (entering the collective that
     follows), so the peers go stale first, and among them alone the furthest behind is a waiter."""
-    running = sorted(r for r, s in status.ranks.items() if s.state == "running")
-    markers = {r: attempt.markers.get(r) for r in running or stale}
+    running = sorted(r for r, s in status.ranks.items() if s.state == "running")  # includes `stale`
+    markers = {r: attempt.markers.get(r) for r in running}
     evidence: dict[str, Any] = {"stale_ranks": stale,
                                 "last_report": {str(r): m for r, m in markers.items()}}
     known = {r: m for r, m in markers.items() if m is not None}
