@@ -43,6 +43,9 @@ def test_calibrate_measures_and_stores_a_profile(tmp_path: Path) -> None:
     # timed on both ranks the same number of times (else the two ranks' loops would hang each other).
     assert all(max(b for b, _ in pts) >= 1 << 20 and len(pts) == 3 for pts in doc["collectives"].values())
     assert doc["memory_bw"] > 0 and doc["attention"]
+    # The op overhead: the mean of windows taken before and after each compute phase.
+    windows = doc["meta"]["op_overhead_windows_us"]
+    assert len(windows) == 5 and min(windows) - 0.01 <= doc["op_overhead_s"] * 1e6 <= max(windows) + 0.01
     # The engine's own costs on the 2 gloo ranks (training/calibration/engine.py), one size each.
     assert doc["concurrency"] >= 1.0
     assert len(doc["tp_linear"]) == len(doc["fsdp_unit"]) == len(doc["ddp_step"]) == 1

@@ -325,3 +325,39 @@ def test_the_swap_probe_gives_each_batch_the_same_norm_on_its_peer_and_leaves_no
         assert len(out["probes"]) == 1 and swap.follows_data(out["probes"][0], range(world)), out["probes"]
         assert all(own > 0 for own, _ in out["probes"][0].values())
     assert [o["digest"] for o in probed] == [o["digest"] for o in clean]
+
+
+def _overflowing_loss(rank: int, world: int, ckpt: str) -> dict:
+    """Every rank's loss at step FAULT_STEP is non-finite, on the first run and on the re-run: the
+    training diverged alike everywhere (an lr too high would do it), no rank singled out."""
+    import torch
+
+    from training.config.run import CheckpointConfig
+    from training.data.sources import make_data_source
+    from training.hooks import TrainHooks
+    from training.model.transformer import Transformer
+
+    cfg = RunConfig(model=SPEC, layout=Layout(dp=2), steps=6,
+                    checkpoint=CheckpointConfig(dir=ckpt, every_steps=2))
+    source = make_data_source(cfg.data, cfg.model, cfg.global_batch)
+    bad = [b for r in range(world) for b in source.batch(FAULT_STEP, r, world)[1]]
+    loss = Transformer.loss
+
+    def overflowing(self, logits, targets):
+        out = loss(self, logits, targets)
+        return out * float("inf") if any(torch.equal(t, b) for t in targets for b in bad) else out
+
+    Transformer.loss = overflowing
+    return train_to_integrity_error(rank, world, cfg, TrainHooks(), resume=False)
+
+
+def test_a_loss_every_replica_loses_again_on_the_re_run_is_reported_reproduced(tmp_path) -> None:
+    """Nobody singled out (every rank named): the verdict still says what the re-run showed. It
+    used to say `transient: true` (the default when no replica vote or single rank spoke) for a
+    non-finite loss the re-run had just reproduced."""
+    out = run_ranks(2, _overflowing_loss, (str(tmp_path),))
+    assert repr(out[0]) == repr(out[1]), out  # agreed on every rank (repr: the evidence holds NaN)
+    ev = out[0]["evidence"]
+    assert out[0]["kind"] == "nonfinite" and out[0]["step"] == FAULT_STEP and out[0]["ranks"] == [0, 1], out
+    assert ev["diverged"]["what"] == "loss", ev
+    assert ev["transient"] is False and ev["reproduced"] is True, ev

@@ -184,7 +184,7 @@ def _integrity(step: int, ranks: list[int], **evidence: Any) -> dict[int, list[d
 
 def test_a_nonfinite_loss_reproduced_on_the_re_run_is_diverged_and_blames_nobody():
     sm, wg, _ = to_running()
-    events = _integrity(3, list(range(WORLD)), transient=True,
+    events = _integrity(3, list(range(WORLD)), transient=False,
                         diverged={"what": "loss", "value": "nan", "step": 3})
     wg.push(running(WORLD, state={r: "failed" for r in range(WORLD)}, events=events))
     assert sm.step().to_state == S.ERRORED

@@ -107,6 +107,7 @@ def rerun_attribution(
     if votes:
         evidence["votes"] = list(votes.values())
     local_named = sorted({r for kind, _, ranks, _ in found if kind in _LOCAL_KINDS for r in ranks})
+    again: set[int] = set()  # the named ranks whose own check fired again on the re-run
     if local_named:
         again = {res["rank"] for res in results if res.get("local", (0.0, False))[1]}
         evidence["local_rerun"] = {str(res["rank"]): json_number(res.get("local", (None,))[0])
@@ -125,10 +126,6 @@ def rerun_attribution(
             culprits.update(named)
             transient = False
             evidence["attribution"] += "; the batch on a DP peer's device gave another norm"
-    if not culprits:
-        culprits = set(shared.ranks)
-    evidence["transient"] = transient
-    evidence["reproduced"] = not transient
     if rerun_loss is not None:  # None: a re-run before the update (no step loss)
         evidence["rerun_loss"] = rerun_loss if math.isfinite(rerun_loss) else str(rerun_loss)
     diverged = None if rerun_loss is None else diverged_again(shared, found, rerun_loss, results,
@@ -139,7 +136,16 @@ def rerun_attribution(
                     "ranks": _nonfinite_ranks(found), "on": "the rank's device and its DP peer's alike"}
     if diverged is not None:
         evidence["diverged"] = diverged
-    if referee is not None and not transient:
+    transient_or_unknown: bool | None = transient
+    if not culprits:  # nobody singled out: every rank the first check named stays named
+        culprits = set(shared.ranks)
+        if not votes:  # no vote said: what the named ranks' own re-run showed, else unknown
+            transient_or_unknown = not again & set(local_named) if local_named else None
+    if diverged is not None:  # the re-run diverged again: reproduced, whoever is named
+        transient_or_unknown = False
+    evidence["transient"] = transient_or_unknown
+    evidence["reproduced"] = None if transient_or_unknown is None else not transient_or_unknown
+    if referee is not None and transient_or_unknown is False:
         evidence["referee"] = referee  # the controller asks a spare on a healthy node (workers.referee)
     return IntegrityError(shared.kind, step, sorted(culprits), evidence)
 
