@@ -231,7 +231,7 @@ class OpOverheadSampler:
     A shared host's speed changes over tenths of a second: the 2-core development VM alternated
     between ~11 and ~22 us per op in stretches of 0.1-0.6 s, and the median of one window of ~15
     calls read 11-26 us across calibrations of one quiet host, moving the demo's predicted compute
-    by 54-88 ms. A training step lasts many such stretches and pays their mean; so does this.
+    by 57-88 ms. A training step lasts many such stretches and pays their mean; so does this.
     `clock` and `chain` are for tests.
     """
 
