@@ -94,7 +94,7 @@ def rerun_attribution(
     referee = _maybe_write_referee_snapshot(trainer, step, first, rerun_vote)
     results = gather_object(mine)  # also the barrier after which the referee's snapshot is on disk
     culprits: set[int] = set()
-    transient = True
+    transient: bool | None = True  # None: no re-run result spoke for the named ranks
     how = "rerun from the pre-step snapshot" if rerun is None else rerun[1]
     evidence: dict[str, Any] = {"attribution": how, "first": shared.evidence}
     votes = {}
@@ -136,16 +136,15 @@ def rerun_attribution(
                     "ranks": _nonfinite_ranks(found), "on": "the rank's device and its DP peer's alike"}
     if diverged is not None:
         evidence["diverged"] = diverged
-    transient_or_unknown: bool | None = transient
     if not culprits:  # nobody singled out: every rank the first check named stays named
         culprits = set(shared.ranks)
         if not votes:  # no vote said: what the named ranks' own re-run showed, else unknown
-            transient_or_unknown = not again & set(local_named) if local_named else None
+            transient = not again & set(local_named) if local_named else None
     if diverged is not None:  # the re-run diverged again: reproduced, whoever is named
-        transient_or_unknown = False
-    evidence["transient"] = transient_or_unknown
-    evidence["reproduced"] = None if transient_or_unknown is None else not transient_or_unknown
-    if referee is not None and transient_or_unknown is False:
+        transient = False
+    evidence["transient"] = transient
+    evidence["reproduced"] = None if transient is None else not transient
+    if referee is not None and transient is False:
         evidence["referee"] = referee  # the controller asks a spare on a healthy node (workers.referee)
     return IntegrityError(shared.kind, step, sorted(culprits), evidence)
 
