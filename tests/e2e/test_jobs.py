@@ -1,8 +1,10 @@
 """A job through the whole service on the shared Ray cluster: submit over HTTP, plan (`auto`), admit,
-place across racks, train on 8 virtual GPUs, checkpoint, succeed; the same job with an explicit
-layout and the training engine run directly agree bit for bit; a service restart (re-attach to a
-live controller, then recovery of a lost one) still finishes the job once, with the same digest (a
-job whose parallelism gives only tp, pp and dp: the planner fills in the auto job's layout)."""
+place across racks, train on 8 virtual GPUs, checkpoint, succeed; the training engine run directly
+agrees with it bit for bit. Slow (`make test-slow`): the same job with an explicit layout through the
+service, and a service restart (re-attach to a live controller, then recovery of a lost one) that still
+finishes the job once, with the same digest (a job whose parallelism gives only tp, pp and dp: the
+planner fills in the auto job's layout). `make test` keeps both recovery flavours in
+tests/faults/test_service_kill_matrix.py and tests/e2e/test_service_sigkill.py."""
 
 from __future__ import annotations
 
@@ -116,19 +118,24 @@ def _direct_train(rank: int, world: int, cfg_dict: dict) -> str:
     return train(ctx, RunConfig.from_dict(cfg_dict), resume=False).model_digest
 
 
-def test_explicit_layout_and_auto_match_the_engine_run_directly(svc: LiveService, auto_job: dict) -> None:
+def test_the_auto_job_matches_the_engine_run_directly(auto_job: dict) -> None:
+    layout = auto_job["job"]["plan"]["layout"]
+    wait_for_free_gpus()
+    cfg = JobSpec.model_validate(SPEC).to_run_config(Layout.from_dict(layout), None)
+    assert set(run_ranks(8, _direct_train, (cfg.to_dict(),))) == {auto_job["job"]["result"]["model_digest"]}
+
+
+@pytest.mark.slow
+def test_explicit_layout_through_the_service_matches_the_auto_job(svc: LiveService, auto_job: dict) -> None:
     layout = auto_job["job"]["plan"]["layout"]
     spec = {**copy.deepcopy(SPEC), "name": "e2e-explicit", "parallelism": layout}
     job = svc.wait_state(svc.submit(spec)["id"], ("succeeded", "failed", "cancelled"))
     assert job["state"] == "succeeded", job["error"]
     assert job["plan"]["mode"] == "evaluate" and job["plan"]["layout"] == layout
-    digest = auto_job["job"]["result"]["model_digest"]
-    assert job["result"]["model_digest"] == digest
-    wait_for_free_gpus()
-    cfg = JobSpec.model_validate(spec).to_run_config(Layout.from_dict(layout), None)
-    assert set(run_ranks(8, _direct_train, (cfg.to_dict(),))) == {digest}
+    assert job["result"]["model_digest"] == auto_job["job"]["result"]["model_digest"]
 
 
+@pytest.mark.slow
 def test_service_restarts_reattach_then_recover_and_the_job_finishes_once(
     ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory, auto_job: dict
 ) -> None:

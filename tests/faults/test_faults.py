@@ -98,7 +98,9 @@ def test_bitflip_in_one_of_two_replicas_is_attributed_by_rerun_and_its_node_quar
     assert_kept_off(snap, node, "node_quarantined")
 
 
-@pytest.mark.parametrize("spares", [0, 1], ids=["on-demand", "hot-spare"])
+# The referee started on demand (spares: 0) is the slow variant (`make test-slow`).
+@pytest.mark.parametrize("spares", [pytest.param(0, id="on-demand", marks=pytest.mark.slow),
+                                    pytest.param(1, id="hot-spare")])
 def test_persistent_flip_with_two_replicas_is_settled_by_a_spare(tmp_path, spares):
     """The re-run reproduces the flip (a faulty device), so two replicas cannot tell which is wrong;
     a spare on a third, healthy node replays the step and names the replica it disagrees with: the

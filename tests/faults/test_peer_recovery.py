@@ -97,7 +97,9 @@ def test_without_a_dp_peer_the_checkpoint_is_restored_and_the_event_says_why(tmp
     assert (restore["source"], restore["step"]) == ("checkpoint", 2)
 
 
-@pytest.mark.parametrize("warm", [1, 0], ids=["warm-process", "cold-process"])
+# The cold start (no warm process) is the slow baseline (`make test-slow`).
+@pytest.mark.parametrize("warm", [pytest.param(1, id="warm-process"),
+                                  pytest.param(0, id="cold-process", marks=pytest.mark.slow)])
 def test_a_replacement_starts_in_the_warm_process_kept_on_its_node(tmp_path, warm):
     """workers.warm_workers: with a warm process kept on the job's nodes the replacement's process
     existed before it was asked for (no process start, no torch import on the recovery path); with

@@ -61,7 +61,8 @@ class TestCells:
         wait_for_free_gpus(16)
         yield
 
-    @pytest.mark.parametrize("dp, rank", [(2, 0), (3, 1)])
+    # dp 3 is the slow variant (`make test-slow`)
+    @pytest.mark.parametrize("dp, rank", [(2, 0), pytest.param(3, 1, marks=pytest.mark.slow)])
     def test_a_killed_zero1_rank_comes_back_from_its_shadow_with_no_step_lost(self, tmp_path, dp, rank):
         cfg = dataclasses.replace(job_cfg(str(tmp_path / "ckpt"), layout=Layout(dp=dp, **Z1)),
                                   shadow_optimizer=True)

@@ -13,8 +13,8 @@ Each job must succeed with the fault-free run's model_digest (the layout does no
 logged data positions (the `finished` event's data ledger) must show every sample trained on
 exactly once, and the stored events must tell the story in order: everything up to the kill,
 then `reattached` or `recover`, then the rest of the job to `finished`, no controller event
-lost or stored twice. The six cases are slow (`make test-faults`); one of them
-(checkpoint x reattach) also runs in `make test`.
+lost or stored twice. The six cases are slow (`make test-faults`); two of them (checkpoint x
+reattach, mid x lost) also run in `make test`.
 """
 
 from __future__ import annotations
@@ -204,8 +204,15 @@ def run_service_kill(ray_cluster: Any, tmp_path: Path, timing: str, flavour: str
 def test_service_killed_during_a_checkpoint_save_reattaches_and_the_job_finishes_like_fault_free(
     ray_cluster: Any, tmp_path: Path
 ) -> None:
-    """The one service-kill case of `make test`; the full row is test_service_kill_matrix."""
+    """The re-attach flavour in `make test`; the full row is test_service_kill_matrix."""
     run_service_kill(ray_cluster, tmp_path, "checkpoint", "reattach")
+
+
+def test_service_and_controller_lost_mid_run_the_job_recovers_from_its_checkpoint_like_fault_free(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
+    """The lost-controller flavour in `make test`: the reconciler's recovery from the last checkpoint."""
+    run_service_kill(ray_cluster, tmp_path, "mid", "lost")
 
 
 @pytest.mark.slow

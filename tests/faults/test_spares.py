@@ -175,8 +175,9 @@ def test_real_spares_avoid_unusable_nodes_and_a_used_one_is_replaced(free_cluste
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("layout", [Layout(dp=2), Layout(tp=2), Layout(tp=2, dp=2)],
-                         ids=["dp2", "tp2", "tp2dp2"])
+@pytest.mark.parametrize("layout", [pytest.param(Layout(dp=2), id="dp2"),
+                                    pytest.param(Layout(tp=2), id="tp2"),
+                                    pytest.param(Layout(tp=2, dp=2), id="tp2dp2", marks=pytest.mark.slow)])
 def test_a_killed_rank_is_replaced_by_the_warm_spare(free_cluster: Any, tmp_path: Any,
                                                      layout: Layout) -> None:
     cfg = job_cfg(str(tmp_path / "ckpt"), layout=layout)
