@@ -118,8 +118,8 @@ def _overhead_rank(rank: int, world: int) -> float:
 
 
 def test_calibration_measures_the_loops_overhead_on_the_ranks() -> None:
-    from training.parallel.local_ranks import run_local_ranks
+    from tests.distributed import run_ranks
 
-    values = run_local_ranks(2, _overhead_rank, threads=1, timeout_s=300)
+    values = run_ranks(2, _overhead_rank, timeout_s=300)
     assert values[0] == values[1]  # rank 0's figure, broadcast
     assert 0.0 < values[0] < 10.0

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from tests.distributed import run_ranks
 from training.config.arithmetic import block_matrices
 from training.config.spec import ModelSpec
-from training.parallel.local_ranks import run_local_ranks
 
 SPECS = (ModelSpec(layers=2, hidden=128, heads=8, kv_heads=2, vocab=512, seq_len=64),
          ModelSpec(layers=3, hidden=64, heads=4, vocab=256, seq_len=32, activation="gelu"))
@@ -42,7 +42,7 @@ def _shapes_rank(rank: int, world: int) -> list[dict[str, Any]]:
 
 
 def test_tp_cost_is_timed_against_one_ranks_own_shapes_and_counts_the_planners_collectives() -> None:
-    results = run_local_ranks(2, _shapes_rank, threads=1, timeout_s=300)
+    results = run_ranks(2, _shapes_rank, timeout_s=300)
     for rank_result in results:
         for spec, r in zip(SPECS, rank_result[:-1], strict=True):
             # The baseline does exactly the arithmetic of one TP rank: every parameter's local shard.

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from training.parallel.local_ranks import run_local_ranks
+from tests.distributed import run_ranks
 
 
 def _rank(rank: int, world: int, kind: str) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def _rank(rank: int, world: int, kind: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("kind", ["fsdp", "tp"])
 def test_clip_reduces_each_dtensor_group_once_and_matches_the_full_gradient_norm(kind: str) -> None:
-    for r in run_local_ranks(2, _rank, (kind,), threads=1, timeout_s=300):
+    for r in run_ranks(2, _rank, (kind,), timeout_s=300):
         assert r["total"] == pytest.approx(r["expected"], rel=1e-5)
         assert r["worst"] < 1e-6
         # One reduction per group of gradients sharing a mesh and placements, not one per parameter

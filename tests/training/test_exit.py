@@ -79,7 +79,7 @@ def test_torchrun_zero1_job_exits_cleanly(tmp_path: Path) -> None:
 
 
 def test_spawned_zero1_tied_weights_exit_cleanly() -> None:
-    losses = run_ranks(2, _zero1_tied, args=(3,))  # RankFailed on any non-zero exit code
+    losses = run_ranks(2, _zero1_tied, args=(3,), start_method="spawn")  # RankFailed on a non-zero exit
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
 
 
@@ -92,4 +92,4 @@ def test_torchrun_zero1_job_exits_cleanly_repeatedly(tmp_path: Path, attempt: in
 @pytest.mark.slow
 @pytest.mark.parametrize("attempt", range(10))
 def test_spawned_zero1_tied_weights_exit_cleanly_repeatedly(attempt: int) -> None:
-    assert len(run_ranks(2, _zero1_tied, args=(3,))) == 2
+    assert len(run_ranks(2, _zero1_tied, args=(3,), start_method="spawn")) == 2

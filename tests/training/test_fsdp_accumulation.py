@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from training.parallel.local_ranks import run_local_ranks
+from tests.distributed import run_ranks
 
 MICRO = 2
 
@@ -64,7 +64,7 @@ def _rank(rank: int, world: int, reshard: bool, replicate: int) -> dict[str, Any
                          ids=["zero3", "zero2", "hsdp-zero3"])
 def test_fsdp_accumulates_sharded_gradients_and_defers_only_the_replica_all_reduce(reshard: bool,
                                                                                    replicate: int) -> None:
-    results = run_local_ranks(2, _rank, (reshard, replicate), threads=1, timeout_s=300)
+    results = run_ranks(2, _rank, (reshard, replicate), timeout_s=300)
     for r in results:
         if replicate == 1:
             # Reduce-scattered after the first micro-batch already: every gradient is a shard.
