@@ -249,6 +249,7 @@ class Restart(Payload):
     replacement_s: float | None = None  # request to a warm replacement actor, the slowest rank's
     # the replacements that were not spares started in warm processes (workers.warm_workers)
     warm_process: bool | None = None
+    evicted: list[int] | None = None  # survivors on a quarantined node, replaced with the lost ranks
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path}
@@ -264,6 +265,8 @@ class Restart(Payload):
             out.update(spare_used=self.spare_used, replacement_s=self.replacement_s)
         if self.warm_process is not None:
             out["warm_process"] = self.warm_process
+        if self.evicted:
+            out["evicted"] = self.evicted
         return out
 
 

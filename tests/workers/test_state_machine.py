@@ -21,6 +21,7 @@ from workers.policies import (
     RestartPolicy,
     ScalingAction,
 )
+from workers.recovery_path import RecoveryPath
 from workers.topology import Topology
 
 from .dummy import DummyWorkerGroup, FakeClock, finished, running, step_events
@@ -276,6 +277,43 @@ def test_dead_rank_restarts_avoiding_nothing_but_marks_its_node_suspect():
     assert wg.seen_health == {node_of_1: "suspect"}
     assert node_of_1 not in {r.node_name for r in wg.reserved.ranks}  # suspect nodes are used last
     assert wg.starts[-1]["resume"] is True
+
+
+class ReplacingGroup(DummyWorkerGroup):
+    """Replaces single ranks (the fast path): records which, and restores them from the checkpoint."""
+
+    def __init__(self, topology: Topology) -> None:
+        super().__init__(topology)
+        self.replaced: list[list[int]] = []
+
+    def replace_ranks(self, ranks, run_cfg, **kwargs):
+        self.replaced.append(sorted(ranks))
+        self.last_recovery = RecoveryPath("checkpoint", "scripted", lost=tuple(sorted(ranks)))
+        return list(self.reserved.ranks)
+
+
+@pytest.mark.parametrize("quarantined", [True, False], ids=["quarantined", "suspect"])
+def test_ranks_that_survived_on_a_quarantined_node_are_replaced_with_the_lost_one(quarantined):
+    # quarantine_after = quarantine_jobs = 1: the dead rank's node is quarantined at once (the default
+    # makes it a suspect, whose survivors keep their processes).
+    policy = {"quarantine_after": 1, "quarantine_jobs": 1} if quarantined else {}
+    wg = ReplacingGroup(Topology.uniform(2, 2, 4))
+    sm = ControllerStateMachine("j1", _cfg(), wg, options=ControllerOptions(**policy), clock=FakeClock())
+    drive(sm, S.RUNNING)
+    node = wg.reserved.ranks[1].node_name
+    on_node = sorted(r.rank for r in wg.reserved.ranks if r.node_name == node)
+    assert len(on_node) > 1  # rank 1 shares its node with survivors
+    wg.push(running(4, state={1: "dead"}, error={1: "ActorDiedError: the actor died"}))
+    sm.step()
+    assert (node in sm.snapshot()["quarantined_nodes"]) is quarantined
+    assert sm.step().to_state == S.RUNNING
+    restart = [e for e in sm.events if e["kind"] == "restart"][0]
+    assert restart["path"] == "fast"
+    if quarantined:
+        assert wg.replaced == [on_node] and restart["evicted"] == [r for r in on_node if r != 1]
+        assert f"ranks {restart['evicted']} moved off the quarantined node" in restart["message"]
+    else:
+        assert wg.replaced == [[1]] and "evicted" not in restart
 
 
 def test_a_dead_rank_is_blamed_before_ranks_that_failed_because_of_it():

@@ -1,10 +1,12 @@
 """RECOVERING: how a failed attempt comes back (the controller's state machine calls `recover`).
 
-The fast path replaces only the lost ranks; the others keep their processes. Those on a node that
-must not be used again move (workers.relocate, TP groups whole). When every lost rank has a healthy
-DP peer and the failure lost ranks without corrupting anything, the replacements take their peers'
-in-memory state and nothing rolls back (the peer path, workers.recovery_path); otherwise everyone
-restores the last verified checkpoint. When the fast path cannot run, every rank is re-placed.
+The fast path replaces only the lost ranks; the others keep their processes, except on a quarantined
+node, which keeps nothing of the job: ranks that survived there are replaced with the lost ones.
+Ranks replaced on a node that must not be used again move (workers.relocate, TP groups whole). When
+every lost rank has a healthy DP peer and the failure lost ranks without corrupting anything, the
+replacements take their peers' in-memory state and nothing rolls back (the peer path,
+workers.recovery_path); otherwise everyone restores the last verified checkpoint. When the fast path
+cannot run, every rank is re-placed.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ def recover(sm: ControllerStateMachine) -> Transition:
               "exclude_nodes": sorted(sm.attributor.exclude)}
     ranks, recovery.fast_ranks = recovery.fast_ranks, []
     failure = recovery.failure
+    # A quarantined node keeps nothing of the job: ranks that survived there move with the lost ones
+    # (their state comes back as the lost ranks' does, from DP peers elsewhere or the checkpoint).
+    evicted = evicted_ranks(job.placement, sm.attributor.quarantined_nodes, ranks) if ranks else []
+    if evicted:
+        ranks = sorted({*ranks, *evicted})
+        common = {**common, "evicted": evicted}
     # A node death that took every rank: nothing to keep, place the job anew (as one gang).
     everything = (len(set(ranks)) == sm.run_cfg.layout.world_size and failure is not None
                   and failure.kind == FailureKind.NODE_DIED)
@@ -71,6 +79,13 @@ def recover(sm: ControllerStateMachine) -> Transition:
     return sm._to(ControllerState.PLACING, "re-placing after a failure")  # noqa: SLF001 - the machine's helper
 
 
+def evicted_ranks(placement: Collection[dict[str, Any]], quarantined: Collection[str],
+                  lost: Collection[int]) -> list[int]:
+    """The ranks other than `lost` that run on a quarantined node (they leave it at the restart)."""
+    bad = set(quarantined)
+    return sorted(r["rank"] for r in placement if r.get("node_name") in bad and r["rank"] not in set(lost))
+
+
 def _replaced(sm: ControllerStateMachine, ranks: list[int], actual: Collection[Any], cause: str,
               expected: int | None, common: dict[str, Any]) -> Transition:
     """The fast path went through: from the DP peers' memory (no step lost) or the checkpoint."""
@@ -89,6 +104,8 @@ def _replaced(sm: ControllerStateMachine, ranks: list[int], actual: Collection[A
         why = f" (not from peers: {path.why})" if path is not None else ""
         message = (f"restart {job.restarts} (fast path): replaced ranks {replaced}, the others kept their "
                    f"processes; resuming from step {expected}{why}")
+    if common.get("evicted"):
+        message += f"; ranks {common['evicted']} moved off the quarantined node(s) with them"
     restart = Restart(path="peer" if peer else "fast", replaced=replaced, placement=job.placement,
                       recovery=path.to_dict() if path is not None else None, **common,
                       **sm.wg.replacement_info())
