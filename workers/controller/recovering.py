@@ -82,8 +82,8 @@ def recover(sm: ControllerStateMachine) -> Transition:
 def evicted_ranks(placement: Collection[dict[str, Any]], quarantined: Collection[str],
                   lost: Collection[int]) -> list[int]:
     """The ranks other than `lost` that run on a quarantined node (they leave it at the restart)."""
-    bad = set(quarantined)
-    return sorted(r["rank"] for r in placement if r.get("node_name") in bad and r["rank"] not in set(lost))
+    bad, gone = set(quarantined), set(lost)
+    return sorted(r["rank"] for r in placement if r.get("node_name") in bad and r["rank"] not in gone)
 
 
 def _replaced(sm: ControllerStateMachine, ranks: list[int], actual: Collection[Any], cause: str,
