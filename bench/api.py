@@ -102,7 +102,7 @@ class Service:
     database (a fresh SQLite file, or a fresh PostgreSQL schema)."""
 
     def __init__(self, backend: str, postgres_url: str, role: str | None = None, replicas: int = 1,
-                 extra_env: dict[str, str] | None = None, workers: int = 1) -> None:
+                 extra_env: dict[str, str] | None = None, workers: int | None = None) -> None:
         self.backend, self.workers = backend, workers
         self.extra_env = extra_env or {}
         self.home = Path(tempfile.mkdtemp(prefix=f"lattice-bench-{backend}-"))
@@ -130,7 +130,7 @@ class Service:
         command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
         if self.role is not None:
             command += ["--role", self.role]
-        if self.workers > 1:
+        if self.workers is not None:  # None: the server's default (auto: one per usable CPU)
             command += ["--workers", str(self.workers)]
         log = open(self.home / f"serve-{i}.log", "w")
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -146,7 +146,7 @@ class Service:
                 log_text = (self.home / f"serve-{i}.log").read_text()
                 raise RuntimeError(f"lattice serve did not start:\n{log_text}")
             time.sleep(0.2)
-        if self.workers > 1:
+        if self.workers != 1:
             time.sleep(5)  # /readyz answered from one worker; the others are still importing
         self.urls.append(url)
 
@@ -423,6 +423,52 @@ def measure(label: str, rate: float, args: argparse.Namespace, server: tuple[Any
     return report(label, rate, stats, cpu)
 
 
+def merge(chunks: list[dict[str, OpStats]]) -> dict[str, OpStats]:
+    """Several `drive` results as one run: the operations' samples concatenated, the walls and the
+    connections opened added, the generator's lag the largest."""
+    walls = [stats["_wall"].latencies for stats in chunks]  # (wall, lag, connections opened) each
+    merged = {"_wall": OpStats(latencies=[sum(w[0] for w in walls), max(w[1] for w in walls),
+                                          sum(w[2] for w in walls)])}
+    for stats in chunks:
+        for op, s in stats.items():
+            if op == "_wall":
+                continue
+            into = merged.setdefault(op, OpStats())
+            into.latencies += s.latencies
+            into.refused += s.refused
+            into.errors += s.errors
+            into.error_kinds += s.error_kinds
+            into.timeouts += s.timeouts
+    return merged
+
+
+def interleaved(label: str, rates: tuple[float, float], args: argparse.Namespace,
+                server: tuple[Any, ...]) -> tuple[float, float]:
+    """Accepted throughput at two offered rates on one service, in `args.chunks` alternating chunks of
+    `args.duration / args.chunks` seconds each (a, b, a, b, ...): this host's speed moves by 2x over
+    seconds to minutes (docs/benchmarks.md, "Planner accuracy", session 35), so runs of 20 s one after
+    the other compare two stretches of the host as much as two loads; alternating chunks put both
+    rates in the same stretches. Each chunk drains before the next starts."""
+    backend, role, replicas, extra_env, workers = server
+    runs: dict[float, list[dict[str, OpStats]]] = {rate: [] for rate in rates}
+    cpu = {rate: [0.0, 0.0] for rate in rates}
+    seconds = args.duration / args.chunks
+    with Service(backend, args.postgres_url, role, replicas, extra_env, workers) as service:
+        if args.warmup > 0:
+            asyncio.run(drive(service.urls, service.token, min(rates[0], WARMUP_RATE), args.warmup,
+                              args.seed + 1))
+        for chunk in range(args.chunks):
+            for rate in rates:
+                with quiet_collector():
+                    gen0, server0 = time.process_time(), service.cpu_s()
+                    runs[rate].append(asyncio.run(
+                        drive(service.urls, service.token, rate, seconds, args.seed + 2 + chunk)))
+                    cpu[rate][0] += time.process_time() - gen0
+                    cpu[rate][1] += service.cpu_s() - server0
+    a, b = (report(label, rate, merge(runs[rate]), (cpu[rate][0], cpu[rate][1])) for rate in rates)
+    return a, b
+
+
 def sweep(
     label: str, rates: list[float], args: argparse.Namespace, server: tuple[Any, ...]
 ) -> dict[float, float]:
@@ -435,15 +481,19 @@ def sweep(
     throughput = {rate: statistics.median(values) for rate, values in runs.items()}
     if len(rates) > 1:
         if args.four_x and (four := 4 * (knee := knee_of(throughput))) not in throughput:
-            # 4x and the knee measured back to back, pair by pair: a slow minute of the host hits both
+            # 4x and the knee measured side by side, pair by pair: a slow minute of the host hits both
             # runs of a pair, not only the 4x runs that would otherwise all come after the sweep
-            pairs = [(measure(label, knee, args, server), measure(label, four, args, server))
-                     for _ in range(args.repeat)]
+            if args.chunks > 1:
+                pairs = [interleaved(label, (knee, four), args, server) for _ in range(args.repeat)]
+            else:
+                pairs = [(measure(label, knee, args, server), measure(label, four, args, server))
+                         for _ in range(args.repeat)]
             runs[knee] += [k for k, _ in pairs]
             runs[four] = [f for _, f in pairs]
             throughput[knee], throughput[four] = statistics.median(runs[knee]), statistics.median(runs[four])
             ratios = paired_ratios(pairs)
-            print(f"{label:<10} 4x / the knee, measured back to back: "
+            how = f"in {args.chunks} alternating chunks on one service" if args.chunks > 1 else "back to back"
+            print(f"{label:<10} 4x / the knee, measured {how}: "
                   f"{', '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f})")
         if args.repeat > 1:
             for rate, values in sorted(runs.items()):
@@ -480,13 +530,19 @@ def main() -> None:
                         help="A setting for the servers (repeatable), e.g. LATTICE_API_THREADS=40.")
     parser.add_argument("--replicas", default="1",
                         help="Comma-separated replica counts, e.g. 1,2: each at every rate, with the ratio.")
-    parser.add_argument("--workers", default="1", help="Comma-separated `lattice serve --workers` counts "
-                        "(role api), e.g. 1,2: each at every rate, with the ratio.")
+    parser.add_argument("--workers", default="auto", help="Comma-separated `lattice serve --workers` counts "
+                        "(role api), e.g. 1,2: each at every rate, with the ratio (auto: the server's "
+                        "default, one per usable CPU).")
     parser.add_argument("--four-x", action=argparse.BooleanOptionalAction, default=True,
                         help="With several rates: also measure 4x the knee when the rates lack it.")
+    parser.add_argument("--chunks", type=int, default=5,
+                        help="The (knee, 4x) pairs: measured on one service in this many alternating "
+                        "chunks of --duration / chunks seconds each (1: two fresh services, one "
+                        "--duration run each, back to back).")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
-    configs = [(int(r), int(w)) for r in args.replicas.split(",") for w in args.workers.split(",")]
+    configs = [(int(r), None if w == "auto" else int(w))
+               for r in args.replicas.split(",") for w in args.workers.split(",")]
     role = args.role
     extra_env = dict(item.split("=", 1) for item in args.server_env)
     if role is not None and not serve_has_role():
@@ -503,7 +559,7 @@ def main() -> None:
         for replicas, workers in configs:
             key = (backend, replicas, workers)
             label = backend + (f"x{replicas}" if replicas > 1 else "")
-            label += f"w{workers}" if workers > 1 else ""
+            label += f"w{workers}" if workers is not None and workers > 1 else ""
             server = (backend, role, replicas, extra_env, workers)
             throughput[key] = sweep(label, rates, args, server)
         base_r, base_w = configs[0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import math
 import os
 import shutil
 import socket
@@ -74,7 +75,8 @@ class Runtime:
         self.role: Role = role or (settings.role if with_scheduler else "api")
         self.with_scheduler = self.role != "api"
         self.with_http = self.role != "scheduler"
-        self.workers = settings.api_workers
+        # auto is resolved where processes are started (`lattice serve`); an embedded Runtime serves in one
+        self.workers = settings.api_workers if isinstance(settings.api_workers, int) else 1
         if self.workers > 1 and self.role != "api":
             raise ValueError(f"api_workers={self.workers} needs role api (role {self.role} runs one process)")
         self.controller_defaults = dict(controller_defaults or {})
@@ -293,10 +295,22 @@ def worker_app(settings: Settings, metrics_dir: str | None = None) -> FastAPI:
     from service.api.app import create_app
 
     configure_logging(settings)
-    app = create_app(settings)
+    app = create_app(worker_share(settings))
     app.state.metrics_dir = metrics_dir
     settle_heap()
     return app
+
+
+def worker_share(settings: Settings) -> Settings:
+    """One worker's settings out of `api_workers`: a token's rate limit is the replica's, so each worker
+    bucket holds its share of the rate and the burst (a client cannot multiply its limit by opening
+    connections that land on other workers; one whose requests all reach one worker gets that share)."""
+    workers = settings.api_workers if isinstance(settings.api_workers, int) else 1
+    if workers <= 1:
+        return settings
+    burst = max(1, math.ceil(settings.rate_limit_burst / workers))
+    return settings.model_copy(update={"rate_limit_per_s": settings.rate_limit_per_s / workers,
+                                       "rate_limit_burst": burst})
 
 
 def settle_heap() -> None:

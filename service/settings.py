@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from service.checkpoint_period import LLAMA3_GPU_MTBF_HOURS
 
 DEFAULT_HOME = Path(".lattice")
+AUTO_API_WORKERS_MAX = 8  # api_workers=auto: past this, more replicas rather than more processes
 
 
 class Settings(BaseSettings):
@@ -132,11 +133,11 @@ class Settings(BaseSettings):
         "all", description="What `lattice serve` runs: all (API + scheduler), api (HTTP only, never touches "
         "Ray; several may run), scheduler (no HTTP; several may run, one elected leader acts).",
     )
-    api_workers: int = Field(
-        1, ge=1, le=64, description="Role api: HTTP worker processes behind one port (uvicorn's "
-        "multi-process mode), each with its own database pool, load-shedding slots and planning pool; "
-        "/metrics sums the counters of all. Roles all and scheduler run one (they hold Ray and the "
-        "leader lease).",
+    api_workers: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        "auto", description="Role api: HTTP worker processes behind one port (uvicorn's multi-process "
+        "mode), each with its own database pool, load-shedding slots and planning pool; /metrics sums "
+        f"the counters of all. auto: one per CPU the process may use (its affinity and cgroup quota), at "
+        f"most {AUTO_API_WORKERS_MAX}. Roles all and scheduler run one (they hold Ray and the leader lease).",
     )
     scheduler_port: int | None = Field(
         None, ge=1, le=65535, description="Role scheduler: serve /healthz, /readyz and /metrics on this port "
@@ -252,6 +253,15 @@ class Settings(BaseSettings):
         if gpu_type.lower() == self.gpu_type.lower():
             return self.embedded_gpus_per_node, self.embedded_nodes_per_rack
         return None, 4
+
+    def api_worker_count(self, role: str) -> int:
+        """API worker processes `lattice serve` runs in `role`: `api_workers`, or for auto one per
+        usable CPU (at most AUTO_API_WORKERS_MAX) in role api and one otherwise."""
+        if isinstance(self.api_workers, int):
+            return self.api_workers
+        from service.cpus import usable_cpus
+
+        return min(usable_cpus(), AUTO_API_WORKERS_MAX) if role == "api" else 1
 
     @property
     def api_thread_tokens(self) -> int:

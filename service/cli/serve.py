@@ -66,7 +66,8 @@ def serve(
             "--workers", min=1, max=64,
             help="Role api only: HTTP worker processes sharing the port (uvicorn's multi-process mode), "
             "each with its own database pool and load-shedding slots; /metrics sums the counters of all. "
-            "About one per core. Default LATTICE_API_WORKERS (1).",
+            "About one per core. Default LATTICE_API_WORKERS (auto: one per CPU this process may use, "
+            "at most 8).",
         ),
     ] = None,
 ) -> None:
@@ -82,7 +83,9 @@ def serve(
     updates = {k: v for k, v in {"host": host, "port": port, "role": role, "api_workers": workers}.items()
                if v is not None}
     settings = settings.model_copy(update=updates)
-    check_workers(settings.role, settings.api_workers, from_option=workers is not None)
+    if settings.api_workers != "auto":
+        check_workers(settings.role, settings.api_workers, from_option=workers is not None)
+    settings = settings.model_copy(update={"api_workers": settings.api_worker_count(settings.role)})
     configure_logging(settings)
     os.umask(PRIVATE_UMASK)  # everything the service (and its embedded Ray) creates is private
     runtime = Runtime(settings)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import os
 import re
 import signal
@@ -20,9 +21,11 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from service import cpus
+from service.api.overload import RateLimitMiddleware
 from service.cli import app as cli
-from service.runtime import Runtime, ServiceStartError, listening_socket, worker_app
-from service.settings import Settings
+from service.runtime import Runtime, ServiceStartError, listening_socket, worker_app, worker_share
+from service.settings import AUTO_API_WORKERS_MAX, Settings
 from tests.api.specs import tiny
 from training.parallel.dist import free_port
 
@@ -66,6 +69,79 @@ def test_the_runtime_refuses_several_workers_outside_role_api(tmp_path: Path) ->
     with pytest.raises(ValueError, match="needs role api"):
         Runtime(Settings(home=tmp_path, api_workers=2), role="all")
     assert Runtime(Settings(home=tmp_path, api_workers=2), role="api").workers == 2
+
+
+def test_auto_runs_one_worker_per_usable_cpu_in_role_api_and_one_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpus, "usable_cpus", lambda: 3)
+    settings = Settings(home=tmp_path)
+    assert settings.api_workers == "auto"  # the default
+    assert settings.api_worker_count("api") == 3
+    assert settings.api_worker_count("all") == settings.api_worker_count("scheduler") == 1
+    monkeypatch.setattr(cpus, "usable_cpus", lambda: 64)
+    assert settings.api_worker_count("api") == AUTO_API_WORKERS_MAX  # past it: more replicas
+    assert Settings(home=tmp_path, api_workers=2).api_worker_count("api") == 2  # a number is kept as given
+    monkeypatch.setenv("LATTICE_API_WORKERS", "5")
+    assert Settings(home=tmp_path).api_workers == 5
+    # an embedded Runtime serves in its own process: auto is one worker there
+    assert Runtime(Settings(home=tmp_path, api_workers="auto"), role="api").workers == 1
+
+
+@pytest.mark.parametrize("files, quota", [
+    ({"cpu.max": "max 100000\n"}, None),  # cgroup v2, no limit
+    ({"cpu.max": "150000 100000\n"}, 1.5),  # a pod limited to 1.5 CPUs
+    ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),  # cgroup v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1, no limit
+    ({}, None),  # no cgroup files: unknown
+])
+def test_the_cgroup_cpu_quota_bounds_the_usable_cpus(
+    tmp_path: Path, files: dict[str, str], quota: float | None
+) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cpus.cgroup_cpu_quota(tmp_path) == quota
+    mask = len(os.sched_getaffinity(0))
+    expected = mask if quota is None else min(mask, math.ceil(quota))
+    assert cpus.usable_cpus(tmp_path) == expected
+
+
+def test_auto_workers_with_the_default_role_is_not_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LATTICE_HOME", str(tmp_path))
+    monkeypatch.setenv("LATTICE_API_WORKERS", "auto")
+    monkeypatch.setattr(cpus, "usable_cpus", lambda: 4)
+    started: list[Settings] = []
+
+    class _Stop(Exception):
+        pass
+
+    def fake_runtime(settings: Settings) -> None:
+        started.append(settings)
+        raise _Stop
+
+    monkeypatch.setattr("service.runtime.Runtime", fake_runtime)
+    umask = os.umask(0o022)  # serve sets its private umask before it starts the runtime: put ours back
+    try:
+        for role, workers in (("all", 1), ("api", 4)):
+            result = CliRunner().invoke(cli, ["serve", "--role", role])
+            assert isinstance(result.exception, _Stop), result.output
+            assert started[-1].api_workers == workers
+    finally:
+        os.umask(umask)
+
+
+def test_each_worker_holds_its_share_of_a_tokens_rate_limit(tmp_path: Path) -> None:
+    """A token's limit is the replica's: opening connections that land on other workers cannot multiply it."""
+    settings = Settings(home=tmp_path, api_workers=4, rate_limit_per_s=100.0, rate_limit_burst=10)
+    share = worker_share(settings)
+    assert (share.rate_limit_per_s, share.rate_limit_burst) == (25.0, 3)  # the burst rounded up
+    limits = [m.kwargs for m in worker_app(settings).user_middleware if m.cls is RateLimitMiddleware]
+    assert limits == [{"rate": 25.0, "burst": 3}]
+    single = Settings(home=tmp_path, api_workers=1, rate_limit_per_s=100.0, rate_limit_burst=10)
+    assert worker_share(single) is single
 
 
 def test_the_shared_port_gives_every_connection_tcp_nodelay() -> None:

@@ -28,6 +28,20 @@ def test_4x_is_judged_pair_by_pair_against_the_knee_measured_beside_it() -> None
     assert api.paired_ratios([(0.0, 10.0)]) == [0.0]
 
 
+def test_alternating_chunks_merge_into_one_run() -> None:
+    one = {"submit": api.OpStats(latencies=[0.01, 0.02], refused=[0.001]),
+           "get": api.OpStats(latencies=[0.005], errors=1, timeouts=2),
+           "_wall": api.OpStats(latencies=[4.0, 0.002, 3])}
+    two = {"submit": api.OpStats(latencies=[0.03]), "get": api.OpStats(latencies=[0.004, 0.006]),
+           "_wall": api.OpStats(latencies=[4.5, 0.009, 1])}
+    two["get"].error_kinds["HTTP 500"] += 1
+    merged = api.merge([one, two])
+    assert merged["_wall"].latencies == [8.5, 0.009, 4]  # walls and connections add, the worst lag stays
+    assert merged["submit"].latencies == [0.01, 0.02, 0.03] and merged["submit"].refused == [0.001]
+    assert (merged["get"].errors, merged["get"].timeouts, merged["get"].error_kinds["HTTP 500"]) == (1, 2, 1)
+    assert one["submit"].latencies == [0.01, 0.02]  # the chunks themselves are left as they were
+
+
 def test_quiet_collector_pauses_cyclic_collection_for_the_run_and_collects_after() -> None:
     assert gc.isenabled()
     with api.quiet_collector():
