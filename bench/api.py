@@ -416,11 +416,18 @@ def measure(label: str, rate: float, args: argparse.Namespace, server: tuple[Any
         if args.warmup > 0:
             warm = min(rate, WARMUP_RATE)
             asyncio.run(drive(service.urls, service.token, warm, args.warmup, args.seed + 1))
-        with quiet_collector():
-            gen0, server0 = time.process_time(), service.cpu_s()
-            stats = asyncio.run(drive(service.urls, service.token, rate, args.duration, args.seed))
-            cpu = (time.process_time() - gen0, service.cpu_s() - server0)
+        stats, cpu = timed_drive(service, rate, args.duration, args.seed)
     return report(label, rate, stats, cpu)
+
+
+def timed_drive(service: Service, rate: float, seconds: float, seed: int) -> tuple[dict[str, OpStats],
+                                                                                  tuple[float, float]]:
+    """One measured run with the generator's collector paused: its stats, and the CPU seconds of the
+    generator and of the servers during it."""
+    with quiet_collector():
+        gen0, server0 = time.process_time(), service.cpu_s()
+        stats = asyncio.run(drive(service.urls, service.token, rate, seconds, seed))
+        return stats, (time.process_time() - gen0, service.cpu_s() - server0)
 
 
 def merge(chunks: list[dict[str, OpStats]]) -> dict[str, OpStats]:
@@ -459,12 +466,10 @@ def interleaved(label: str, rates: tuple[float, float], args: argparse.Namespace
                               args.seed + 1))
         for chunk in range(args.chunks):
             for rate in rates:
-                with quiet_collector():
-                    gen0, server0 = time.process_time(), service.cpu_s()
-                    runs[rate].append(asyncio.run(
-                        drive(service.urls, service.token, rate, seconds, args.seed + 2 + chunk)))
-                    cpu[rate][0] += time.process_time() - gen0
-                    cpu[rate][1] += service.cpu_s() - server0
+                stats, (gen, served) = timed_drive(service, rate, seconds, args.seed + 2 + chunk)
+                runs[rate].append(stats)
+                cpu[rate][0] += gen
+                cpu[rate][1] += served
     a, b = (report(label, rate, merge(runs[rate]), (cpu[rate][0], cpu[rate][1])) for rate in rates)
     return a, b
 

@@ -75,8 +75,7 @@ class Runtime:
         self.role: Role = role or (settings.role if with_scheduler else "api")
         self.with_scheduler = self.role != "api"
         self.with_http = self.role != "scheduler"
-        # auto is resolved where processes are started (`lattice serve`); an embedded Runtime serves in one
-        self.workers = settings.api_workers if isinstance(settings.api_workers, int) else 1
+        self.workers = settings.api_processes
         if self.workers > 1 and self.role != "api":
             raise ValueError(f"api_workers={self.workers} needs role api (role {self.role} runs one process)")
         self.controller_defaults = dict(controller_defaults or {})
@@ -305,7 +304,7 @@ def worker_share(settings: Settings) -> Settings:
     """One worker's settings out of `api_workers`: a token's rate limit is the replica's, so each worker
     bucket holds its share of the rate and the burst (a client cannot multiply its limit by opening
     connections that land on other workers; one whose requests all reach one worker gets that share)."""
-    workers = settings.api_workers if isinstance(settings.api_workers, int) else 1
+    workers = settings.api_processes
     if workers <= 1:
         return settings
     burst = max(1, math.ceil(settings.rate_limit_burst / workers))

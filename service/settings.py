@@ -254,6 +254,12 @@ class Settings(BaseSettings):
             return self.embedded_gpus_per_node, self.embedded_nodes_per_rack
         return None, 4
 
+    @property
+    def api_processes(self) -> int:
+        """Worker processes `api_workers` names as it stands: auto is one until `lattice serve` resolves
+        it (`api_worker_count`); an embedded Runtime serves in one process."""
+        return self.api_workers if isinstance(self.api_workers, int) else 1
+
     def api_worker_count(self, role: str) -> int:
         """API worker processes `lattice serve` runs in `role`: `api_workers`, or for auto one per
         usable CPU (at most AUTO_API_WORKERS_MAX) in role api and one otherwise."""
