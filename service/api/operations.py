@@ -150,7 +150,8 @@ def submit_job(
             settings, init_from.path, init_from.format, spec.model_spec()
         )
     try:
-        tenant_store.ensure_tenant(session, principal.tenant)
+        if principal.token_id is None:  # a token's tenant exists (foreign key; tenants are never deleted)
+            tenant_store.ensure_tenant(session, principal.tenant)
         job = store.create_job(
             session,
             tenant=principal.tenant,

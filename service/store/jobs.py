@@ -93,7 +93,8 @@ def create_job(
     total_steps: int = 0,
     job_id: str | None = None,
 ) -> Job:
-    """Insert a job in state `pending` and its `created` event."""
+    """Insert a job in state `pending` and its `created` event (seq 1, allocated here: no other
+    writer can see the row before this transaction commits, so append_event's UPDATE is not needed)."""
     job = Job(
         id=job_id or new_job_id(),
         tenant=tenant,
@@ -106,13 +107,13 @@ def create_job(
         attempt=0,
         step=0,
         total_steps=total_steps,
-        event_seq=0,
+        event_seq=1,
     )
     session.add(job)
+    session.flush()  # the job row first: the event's foreign key refers to it
+    created = {"state": JobState.PENDING.value, "name": name, "tenant": tenant}
+    session.add(JobEvent(job_id=job.id, seq=1, type="created", payload=created, time=utcnow()))
     session.flush()
-    append_event(
-        session, job.id, "created", {"state": JobState.PENDING.value, "name": name, "tenant": tenant}
-    )
     return job
 
 

@@ -171,3 +171,22 @@ def test_a_request_waits_for_a_worker_thread_only_where_it_does_blocking_io(
     assert 1 <= len(submit_hops) <= 2, submit_hops  # at least the route itself: the count is live
     assert 1 <= len(hops) <= 2, hops
     assert not any("serialize" in h or "validate" in h for h in submit_hops + hops), (submit_hops, hops)
+
+
+def test_a_submit_writes_three_rows_and_updates_none(client: TestClient, db_engine: Engine,
+                                                     tokens: dict[str, str]) -> None:
+    """A new job's write is the job, its `created` event (seq 1, allocated with the row: nobody else
+    sees the job before the commit) and the idempotency key: no UPDATE to allocate the event's seq,
+    and no tenant upsert for a token's tenant (a token's tenant exists: foreign key)."""
+    auth = bearer(tokens["a"])
+    client.get("/v1/jobs", headers=auth)  # record the token's use first (a write of its own)
+    with statements(db_engine) as seen:
+        r = client.post("/v1/jobs", json=SPEC, headers=auth | {"Idempotency-Key": "k-rows"})
+        assert r.status_code == 201, r.text
+    assert seen["INSERT"] == 3 and seen["UPDATE"] == 0, seen
+    job_id = r.json()["id"]
+    cancelled = client.post(f"/v1/jobs/{job_id}/cancel", headers=auth)  # the next event takes seq 2
+    assert cancelled.status_code == 200, cancelled.text
+    events = client.get(f"/v1/jobs/{job_id}/events", headers=auth).json()["items"]
+    assert [(e["seq"], e["type"]) for e in events][:2] == [(1, "created"), (2, events[1]["type"])]
+    assert events[0]["payload"] == {"state": "pending", "name": "path", "tenant": "team-a"}
