@@ -573,7 +573,8 @@ def main() -> None:
             for rate in rates:
                 other = throughput[(backend, replicas, workers)][rate]
                 ratio = other / base[rate] if base[rate] else float("nan")
-                print(f"{backend:<10} {replicas} replicas x {workers} workers / {base_r} x {base_w} at "
+                shown, base_shown = workers or "auto", base_w or "auto"  # None: the server's default
+                print(f"{backend:<10} {replicas} replicas x {shown} workers / {base_r} x {base_shown} at "
                       f"{rate:.0f} req/s offered: throughput ratio {ratio:.2f}")
 
 

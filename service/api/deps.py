@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.auth import ANONYMOUS_ADMIN, Principal, authenticate_in, authenticate_request
 from service.errors import Forbidden, Unauthorized
 from service.settings import Settings
+from service.store.db import read_phase
 
 
 class SchedulerHook(Protocol):
@@ -94,6 +95,19 @@ def get_reader(
     return authenticate_in(session, request.app.state.session_factory, _bearer_token(credentials))
 
 
+def get_submitter(
+    request: Request, settings: SettingsDep, credentials: BearerDep, session: SessionDep
+) -> Principal:
+    """The caller of a route that reads before it writes (a submit), looked up in the route's own
+    session as the first statement of its read transaction (service.store.db.read_phase: on SQLite a
+    deferred BEGIN, no write lock), which the route's own lookups continue and then end before it
+    writes: one read transaction for the token and the lookups, not one each."""
+    if not settings.auth_enabled:
+        return ANONYMOUS_ADMIN
+    read_phase(session)
+    return authenticate_in(session, request.app.state.session_factory, _bearer_token(credentials))
+
+
 def _bearer_token(credentials: HTTPAuthorizationCredentials | None) -> str:
     if credentials is None or not credentials.credentials:
         raise Unauthorized("missing bearer token: send the header 'Authorization: Bearer <token>'")
@@ -109,6 +123,7 @@ def principal_for_token(request: Request, token: str) -> Principal:
 
 CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
 ReaderPrincipal = Annotated[Principal, Depends(get_reader)]  # for a route whose session is ReadSessionDep
+SubmitterPrincipal = Annotated[Principal, Depends(get_submitter)]  # a SessionDep route: reads, then writes
 
 
 async def require_admin(principal: CurrentPrincipal) -> Principal:

@@ -17,6 +17,7 @@ from service.api.deps import (
     SchedulerDep,
     SessionDep,
     SettingsDep,
+    SubmitterPrincipal,
 )
 from service.api.problems import problem_responses
 from service.api.responses import ModelResponseRoute, json_response, model_response
@@ -69,7 +70,7 @@ SPEC_EXAMPLES = {
 def submit_job(
     spec: Annotated[JobSpec, Body(openapi_examples=SPEC_EXAMPLES)],
     session: SessionDep,
-    principal: CurrentPrincipal,
+    principal: SubmitterPrincipal,
     settings: SettingsDep,
     scheduler: SchedulerDep,
     idempotency_key: IdempotencyKey = None,
