@@ -6,9 +6,10 @@ have answered) alternating job submits and job reads, and prints per backend, ra
 accepted requests, refusals (429 / 503, each with Retry-After), other errors and timeouts, accepted
 throughput, p50 and p99 latency of accepted requests and p99 of refusals.
 
-With several `--rates` it also prints the knee (the offered rate with the most accepted throughput)
-and, for each higher rate, accepted throughput as a fraction of the knee's: graceful overload keeps it
-near 1.0 while the excess is refused fast. The per-token rate limit is off for the run (one token
+With several `--rates` it also prints the knee (the lowest offered rate within 5% of the best accepted
+throughput; a sweep whose every rate was served in full has none, and says so) and, for each higher
+rate, accepted throughput as a fraction of the knee's: graceful overload keeps it near 1.0 while the
+excess is refused fast. The per-token rate limit is off for the run (one token
 drives the whole load); `LATTICE_API_THREADS`, `LATTICE_MAX_QUEUE_WAIT_MS` and
 `LATTICE_MAX_INFLIGHT_REQUESTS` shape what the API runs, queues and refuses (`--server-env` sets them).
 The generator is a lean HTTP/1.1 client (httpx cost more CPU per request than the server); latency
@@ -372,6 +373,12 @@ def knee_of(throughput: dict[float, float]) -> float:
     return min(rate for rate in throughput if throughput[rate] >= PLATEAU * best)
 
 
+def served_in_full(throughput: dict[float, float]) -> bool:
+    """Every offered rate accepted (within 5%): the sweep never reached the server's capacity, so it
+    has no knee (knee_of would pick its highest rate) and needs higher --rates to find one."""
+    return all(accepted >= PLATEAU * rate for rate, accepted in throughput.items())
+
+
 def paired_ratios(pairs: list[tuple[float, float]]) -> list[float]:
     """Accepted at 4x / accepted at the knee, for each (knee, 4x) pair measured back to back."""
     return [four / knee if knee > 0 else 0.0 for knee, four in pairs]
@@ -484,6 +491,7 @@ def sweep(
         for rate in rates:
             runs[rate].append(measure(label, rate, args, server))
     throughput = {rate: statistics.median(values) for rate, values in runs.items()}
+    unsaturated = served_in_full(throughput)
     if len(rates) > 1:
         if args.four_x and (four := 4 * (knee := knee_of(throughput))) not in throughput:
             # 4x and the knee measured side by side, pair by pair: a slow minute of the host hits both
@@ -505,6 +513,9 @@ def sweep(
                 each = ", ".join(f"{v:.1f}" for v in values)
                 print(f"{label:<10} {rate:.0f} req/s offered: accepted {each} "
                       f"(median {throughput[rate]:.1f})")
+        if unsaturated:  # the "4x" pair is then 4x the highest rate, itself under the knee
+            print(f"{label:<10} no knee within the sweep: every rate up to {max(rates):.0f} req/s was served "
+                  f"in full (the pairs above used it); add higher --rates to find the knee")
         report_knee(label, throughput)
     return throughput
 

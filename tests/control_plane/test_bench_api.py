@@ -21,6 +21,12 @@ def test_the_knee_is_where_the_curve_flattens() -> None:
     assert api.knee_of({100: 100.0, 200: 150.0, 400: 190.0}) == 400
 
 
+def test_a_sweep_served_in_full_has_no_knee() -> None:
+    assert api.served_in_full({100: 100.0, 200: 199.9, 400: 399.3})
+    assert not api.served_in_full({100: 100.0, 200: 199.9, 300: 231.1})  # the server's capacity reached
+    assert not api.served_in_full({100: 100.0, 400: 300.0})
+
+
 def test_4x_is_judged_pair_by_pair_against_the_knee_measured_beside_it() -> None:
     # a slow host minute that halves both runs of the second pair leaves its ratio alone
     pairs = [(260.0, 234.0), (130.0, 117.0), (250.0, 200.0)]
