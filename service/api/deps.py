@@ -102,10 +102,9 @@ def get_submitter(
     session as the first statement of its read transaction (service.store.db.read_phase: on SQLite a
     deferred BEGIN, no write lock), which the route's own lookups continue and then end before it
     writes: one read transaction for the token and the lookups, not one each."""
-    if not settings.auth_enabled:
-        return ANONYMOUS_ADMIN
-    read_phase(session)
-    return authenticate_in(session, request.app.state.session_factory, _bearer_token(credentials))
+    if settings.auth_enabled:
+        read_phase(session)
+    return get_reader(request, settings, credentials, session)
 
 
 def _bearer_token(credentials: HTTPAuthorizationCredentials | None) -> str:
