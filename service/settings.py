@@ -126,6 +126,12 @@ class Settings(BaseSettings):
         "hot spares, for a job on several nodes) where its ranks would move if a node were lost (0: none; "
         "docs/fault_tolerance.md, \"Warm worker processes\").",
     )
+    warm_standby: Literal["auto", "on", "off"] = Field(
+        "auto", description="Also keep warm processes on the nodes a job's ranks would move to if one of its "
+        "nodes were lost (its standby nodes). auto: on GPU node types only; where ranks compute on the "
+        "host's own cores (cpu-virtual), each standby process's imports (~3-4 s of a core) are taken from "
+        "the job's ranks in its first minute (docs/fault_tolerance.md, \"Warm worker processes\").",
+    )
     scheduler_interval_s: float = Field(
         1.0, gt=0, description="Period of the scheduler/reconciler loop when nothing wakes it earlier."
     )

@@ -66,11 +66,12 @@ class RayWorkerGroup(WorkerGroup):
         spares: int = 0,
         spare_exclude: Callable[[], Collection[str]] | None = None,
         warm_workers: int = 1,
+        warm_standby: bool = True,
     ) -> None:
         """`spares`: warm spare rank actors kept while the ranks run (workers.spares); `spare_exclude`:
         the nodes no spare may be on or come from now (quarantined, dead, cordoned); `warm_workers`:
-        idle processes with the engine imported kept on each of the job's nodes (asked for once its
-        ranks hold theirs), for a replacement rank to start in (workers.warm_workers)."""
+        idle processes with the engine imported kept on each of the job's nodes, for a replacement rank
+        to start in (workers.warm_workers), and with `warm_standby` on its standby nodes too."""
         self.job_id = job_id
         self.log_max_bytes, self.log_backups = log_max_bytes, log_backups
         self.cpus_per_rank = cpus_per_rank
@@ -83,7 +84,7 @@ class RayWorkerGroup(WorkerGroup):
         self.flops_per_token = flops_per_token
         self.env_vars = {"OMP_NUM_THREADS": "1", **(env_vars or {})}
         self.runtime_env = rank_runtime_env(self.env_vars)
-        self._warm = WarmWorkers(self.runtime_env, warm_workers)
+        self._warm, self._warm_standby = WarmWorkers(self.runtime_env, warm_workers), warm_standby
         self._exclude = spare_exclude or (lambda: ())
         self._standby: dict[str, int] = {}  # node id -> warm processes for ranks that would move there
         self._standby_at = float("-inf")
@@ -380,21 +381,23 @@ class RayWorkerGroup(WorkerGroup):
         return GroupStatus(out)
 
     def _keep_warm(self, refresh: bool) -> None:
-        """Warm processes on the job's nodes and, for a job on several nodes without hot spares, on the
-        nodes its ranks would move to if one of those were lost: the peer path, where the replacement's
-        start is most of the recovery (workers.warm_workers; that set is recomputed every
-        STANDBY_REFRESH_S, as other jobs take and free GPUs). A job on one node that loses it restores
-        every rank from the checkpoint: a node's worth of idle processes is not kept for that."""
+        """Warm processes on the job's nodes and standby nodes (`standby_for`, every STANDBY_REFRESH_S)."""
         if (refresh or time.monotonic() - self._standby_at > STANDBY_REFRESH_S) and self._where:
-            self._standby, self._standby_at = {}, time.monotonic()
-            several = len({p.node_id for p in self._where}) > 1
-            if several and self._spares.size == 0 and self._warm.per_node > 0:
-                try:
-                    self._standby = standby_nodes(self._where, self._exclude(),
-                                                  Topology.from_ray(include_dead=False))
-                except Exception as e:  # noqa: BLE001 - best effort: a moved rank then starts cold
-                    log.warning("no standby nodes for warm processes: %s", e)
+            self._standby, self._standby_at = self.standby_for(self._where), time.monotonic()
         self._warm.keep({p.node_id for p in self._where}, self._standby)
+
+    def standby_for(self, where: Sequence[RankPlacement]) -> dict[str, int]:
+        """Node id -> warm processes for the ranks that would move there if a node of `where` were lost,
+        for a job on several nodes without hot spares (the peer path: workers.warm_workers); none when
+        `warm_standby` is off (the service's default on CPU node types, admission.warm_standby)."""
+        several = len({p.node_id for p in where}) > 1
+        if not (several and self._warm_standby and self._spares.size == 0 and self._warm.per_node > 0):
+            return {}
+        try:
+            return standby_nodes(list(where), self._exclude(), Topology.from_ray(include_dead=False))
+        except Exception as e:  # noqa: BLE001 - best effort: a moved rank then starts cold
+            log.warning("no standby nodes for warm processes: %s", e)
+            return {}
 
     def dump_collectives(self) -> None:
         refs = [a.dump_collectives.remote() for a in self._actors]

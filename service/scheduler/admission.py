@@ -27,6 +27,7 @@ from service.planner import (
     plan_layout,
 )
 from service.planner.efficiency import HardwareProfile
+from service.planner.specs import CPU_GPU_TYPES
 from service.scheduler import fairshare
 from service.schemas import JobSpec
 from service.settings import Settings
@@ -153,6 +154,15 @@ def queue_decisions(s: Session, *, free_gpus: int, now: float, skip: Collection[
                      for d in decisions]
 
 
+def warm_standby(settings: Settings) -> bool:
+    """Whether jobs keep warm processes on their standby nodes too (settings.warm_standby). auto: not on
+    a CPU node type, whose ranks compute on the host's cores: there a standby process's imports are
+    taken from the running job's ranks, to speed up a node loss's recovery by seconds."""
+    if settings.warm_standby != "auto":
+        return settings.warm_standby == "on"
+    return _canonical_gpu(settings.gpu_type) not in CPU_GPU_TYPES
+
+
 def _canonical_gpu(name: str | None) -> str | None:
     if not name:
         return None
@@ -237,6 +247,7 @@ def controller_options(settings: Settings, spec: JobSpec, seq: int, reached_step
         "log_backups": settings.rank_log_backups,
         "spares": settings.spares_per_job if (n := spec.fault_tolerance.spares) is None else n,
         "warm_workers": settings.warm_workers_per_node,
+        "warm_standby": warm_standby(settings),
         **defaults,
     }
     fields["first_seq"] = seq  # events continue the job's numbering whatever the defaults say

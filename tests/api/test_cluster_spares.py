@@ -100,3 +100,17 @@ def test_warm_worker_processes_per_node_come_from_the_service_setting_and_are_bo
     assert admission.controller_options(Settings(warm_workers_per_node=0), spec, 0, 0, {}).warm_workers == 0
     with pytest.raises(ValidationError, match="warm_workers_per_node"):
         Settings(warm_workers_per_node=9)
+
+
+@pytest.mark.parametrize(("gpu_type", "setting", "kept"), [
+    ("cpu-virtual", "auto", False),  # the ranks compute on the host's cores: no standby imports
+    ("H100-80GB", "auto", True),
+    ("cpu-virtual", "on", True),
+    ("H100-80GB", "off", False),
+])
+def test_warm_processes_on_standby_nodes_follow_the_node_type_unless_set(gpu_type, setting, kept) -> None:
+    spec = JobSpec.model_validate(tiny())
+    settings = Settings(gpu_type=gpu_type, warm_standby=setting)
+    assert admission.controller_options(settings, spec, 0, 0, {}).warm_standby is kept
+    with pytest.raises(ValidationError, match="warm_standby"):
+        Settings(warm_standby="sometimes")

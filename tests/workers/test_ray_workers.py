@@ -81,6 +81,22 @@ def test_rank_actors_land_where_placement_said(ray_cluster):
     wait_for_free_gpus(16)
 
 
+@pytest.mark.parametrize("standby", [True, False])
+def test_standby_nodes_get_warm_processes_only_where_the_option_says(ray_cluster, standby):
+    """A DP 8 job on two nodes: with warm_standby the group also asks for warm processes on the nodes
+    its ranks would move to if one of its nodes were lost (4 each: workers.relocate; nothing is
+    reserved here, so a standby node may be the other job node), without it (the service's default on
+    CPU node types) only on the job's own nodes."""
+    placement = place(Layout(dp=8), Topology.from_ray())
+    job_nodes = {r.node_id for r in placement.ranks}
+    assert len(job_nodes) == 2
+    kept_standby = RayWorkerGroup("standby", warm_standby=standby).standby_for(placement.ranks)
+    if standby:
+        assert kept_standby and set(kept_standby.values()) == {4}, kept_standby  # a lost node's 4 ranks
+    else:
+        assert kept_standby == {}
+
+
 def test_cordoned_and_quarantined_nodes_receive_no_ranks(ray_cluster):
     wait_for_free_gpus(16)
     layout = Layout(tp=2, dp=2)  # fits the first node, r1-n1, when nothing is excluded

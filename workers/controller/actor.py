@@ -74,6 +74,7 @@ class JobController:
             log_backups=opts.log_backups,
             spares=opts.spares,
             warm_workers=opts.warm_workers,
+            warm_standby=opts.warm_standby,
             spare_exclude=lambda: unusable_nodes(self._sm.attributor.health_view(),
                                                  self._sm.attributor.cordoned, self._sm.attributor.exclude),
         )

@@ -46,6 +46,7 @@ class ControllerOptions:
     referee: bool = True  # DP = 2 replicas disagreeing persistently: replay the step on a spare
     spares: int = 0  # warm spare rank actors kept while the job runs (workers.spares)
     warm_workers: int = 1  # idle processes, engine imported, per node of the job (workers.warm_workers)
+    warm_standby: bool = True  # ...and on its standby nodes, one per rank that would move there
 
     @property
     def collective_timeout_s(self) -> float:
