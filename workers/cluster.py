@@ -41,6 +41,12 @@ HEALTH_CHECK_CONFIG = {
 }
 
 
+# Ray starts its workers at nice 15, below its own daemons. On the embedded cluster every rank computes on
+# the host's cores beside the service, the raylets and the dashboard agents (nice 0): at a CFS weight of 36
+# against 1024, each wake-up of a rank from a collective waited for whatever of theirs was running, and
+# a DP 8 job of the demo model stepped 20-40% slower than at nice 0 (docs/benchmarks.md, issue 16).
+WORKER_PRIORITY_CONFIG = {"worker_niceness": 0}
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -224,7 +230,7 @@ def start_embedded_cluster(
         "node_ip_address": host,
         "temp_dir": root,
         "labels": {"lattice.role": "head"},
-        "_system_config": dict(HEALTH_CHECK_CONFIG),
+        "_system_config": {**HEALTH_CHECK_CONFIG, **WORKER_PRIORITY_CONFIG},
     }
     if metrics_export_port is not None:
         head_args["metrics_export_port"] = metrics_export_port

@@ -107,7 +107,7 @@ class Env:
         t_mm = tokens * 6.0 * self.counts.matmul_active_per_layer / tp * secs / flops
         t_attn = self._attention_time(tokens, tp)
         act_bytes = self.bytes_per_param[0]
-        t_elem = eff.share * eff.elementwise_time(tokens, h / (tp if sp else 1), ffn / tp, act_bytes)
+        t_elem = eff.share_mm * eff.elementwise_time(tokens, h / (tp if sp else 1), ffn / tp, act_bytes)
         t_elem += eff.ops_time(t_mm + t_attn + t_elem)  # fixed cost per op (dispatch, launch)
         t_head = 3.0 * eff.matmul_time(tokens, max(1, m.vocab // tp), h)
         out = self._layer_cache[key] = (t_mm, t_attn, t_elem, t_head)

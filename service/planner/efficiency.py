@@ -94,6 +94,9 @@ class HardwareProfile:
     fsdp_unit: Sequence[tuple[float, float]] = ()
     ddp_step: Sequence[tuple[float, float]] = ()
     concurrency: float = 1.0
+    # Slowdown over the ideal share when several rank processes share each core, by workload ("ops":
+    # tiny autograd ops, "matmul"): [(processes per core, factor)] (training/calibration/oversubscription.py).
+    oversubscription: Mapping[str, Sequence[tuple[float, float]]] = field(default_factory=dict)
     # Seconds FSDP2's DTensor parameters add per tensor to the optimizer step (ZeRO-2/3). 0: not measured.
     fsdp_optimizer_tensor_s: float = 0.0
     # Seconds per step of the engine's training loop outside forward + backward, the DP reduction and the
@@ -125,6 +128,7 @@ class HardwareProfile:
             "fsdp_unit": [list(p) for p in self.fsdp_unit],
             "ddp_step": [list(p) for p in self.ddp_step],
             "concurrency": self.concurrency,
+            "oversubscription": {k: [list(p) for p in pts] for k, pts in self.oversubscription.items()},
             "fsdp_optimizer_tensor_s": self.fsdp_optimizer_tensor_s,
             "step_overhead_s": self.step_overhead_s,
             "meta": dict(self.meta),
@@ -155,6 +159,8 @@ class HardwareProfile:
                 inter_node=inter,
                 tp_linear=engine["tp_linear"], fsdp_unit=engine["fsdp_unit"], ddp_step=engine["ddp_step"],
                 concurrency=max(1.0, float(doc.get("concurrency", 1.0))),
+                oversubscription={str(k): [(float(a), max(1.0, float(f))) for a, f in pts]
+                                  for k, pts in (doc.get("oversubscription") or {}).items()},
                 fsdp_optimizer_tensor_s=max(0.0, float(doc.get("fsdp_optimizer_tensor_s", 0.0))),
                 step_overhead_s=max(0.0, float(doc.get("step_overhead_s", 0.0))),
                 meta=dict(doc.get("meta", {})),
@@ -240,6 +246,16 @@ def _ring_link(collectives: Mapping[str, Sequence[tuple[float, float]]], ranks: 
     return beta * 2 * (n - 1) / n, alpha / (2 * (n - 1))
 
 
+def _slowdown(points: Sequence[tuple[float, float]], per_core: float) -> float:
+    """A measured oversubscription slowdown at `per_core` processes a core: linear between (1, 1) and the
+    measured levels, flat beyond the last (1 where none was measured)."""
+    pts = sorted([(1.0, 1.0)] + [(a, f) for a, f in points if a > 1.0])
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+        if per_core <= x1:
+            return y0 + (y1 - y0) * (max(per_core, x0) - x0) / (x1 - x0)
+    return pts[-1][1]
+
+
 class Efficiency:
     """Time of matmuls, attention and elementwise work on one GPU type (measured or catalogued)."""
 
@@ -254,13 +270,21 @@ class Efficiency:
         self.share = max(1.0, ranks_per_host * threads / cores) if on_cpu and cores > 0 else 1.0
         if on_cpu and ranks_per_host >= 2 and profile is not None:  # measured: all ranks computing at once
             self.share = max(self.share, profile.concurrency)
+        # More processes than cores: each also pays the others' switches and cache evictions, measured
+        # per workload (training/calibration/oversubscription.py): "ops" for dispatch-bound and host
+        # work, "matmul" for arithmetic. Not the engine's measured costs (tp_linear, fsdp_unit,
+        # ddp_step): mostly waits for a partner, they scale with the share alone (bench.planner_embedded).
+        per_core = ranks_per_host * threads / cores if on_cpu and cores > 0 else 1.0
+        over = profile.oversubscription if profile is not None and per_core > 1.0 else {}
+        self.share_mm = self.share * _slowdown(over.get("matmul", ()), per_core)
+        self.share_ops = self.share * _slowdown(over.get("ops", ()), per_core)
         self._tp_linear = _SizeCurve.of(profile.tp_linear) if profile is not None else None
         self._fsdp_unit = _SizeCurve.of(profile.fsdp_unit) if profile is not None else None
         self._ddp_step = _SizeCurve.of(profile.ddp_step) if profile is not None else None
         self.op_overhead = profile.op_overhead_s if profile is not None else 0.0
         # Host work timed with one rank per core (the optimizer step, the loop's own overhead): on CPU
         # ranks it is slowed by `share` as compute is.
-        self.host = host = self.share if self.synchronous else 1.0
+        self.host = host = self.share_ops if self.synchronous else 1.0
         self.ranks = profile.ranks if profile is not None else 2  # of the measured collectives, engine costs
         self.optimizer_tensor = host * profile.optimizer_tensor_s if profile is not None else 0.0
         self.optimizer_param = host * profile.optimizer_param_s if profile is not None else 0.0
@@ -297,7 +321,7 @@ class Efficiency:
         ops run synchronously); on a GPU launches are asynchronous and only the part of the host's
         dispatch time longer than the kernels shows. Catalogued GPUs: 0 (their F_half covers it)."""
         fixed = ops * self.op_overhead
-        return fixed * self.share if self.synchronous else max(0.0, fixed - busy_s)
+        return fixed * self.share_ops if self.synchronous else max(0.0, fixed - busy_s)
 
     def matmul_rate(self, m: int, n: int, k: int) -> float:
         """Achieved FLOP/s of one (m, k) x (k, n) matmul."""
@@ -314,16 +338,16 @@ class Efficiency:
         key = (m, n, k)
         t = self._cache.get(key)
         if t is None:
-            t = self._cache[key] = self.share * 2.0 * m * n * k / self.matmul_rate(m, n, k)
+            t = self._cache[key] = self.share_mm * 2.0 * m * n * k / self.matmul_rate(m, n, k)
         return t
 
     def attention_rate(self, seq: int, head_dim: int) -> float:
         """Achieved FLOP/s of the attention core (QK^T, softmax, AV) forward + backward."""
         if self._attn:
             hd = min(self._attn, key=lambda d: (abs(d - head_dim), d))
-            return self._attn[hd](seq) / self.share
+            return self._attn[hd](seq) / self.share_mm
         if self._mm is not None:  # measured matmuls but no attention: its matmuls at that size
-            return self._mm(2.0 * seq * seq * head_dim) / self.share
+            return self._mm(2.0 * seq * seq * head_dim) / self.share_mm
         c = self.curve
         return self.peak * c.attn_max * seq / (seq + c.attn_half_seq)
 

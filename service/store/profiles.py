@@ -80,7 +80,7 @@ def profile_summaries(session: Session) -> list[dict[str, Any]]:
 
 def summarize(p: HardwareProfile, created_at: str | None = None) -> dict[str, Any]:
     """Headline figures of a profile: best matmul FLOP/s per dtype, memory bandwidth, all-reduce within a
-    node and (when two nodes were timed) between nodes."""
+    node and (when two nodes were timed) between nodes, and on CPU node types the oversubscription."""
     from service.planner.efficiency import fit_alpha_beta
 
     out: dict[str, Any] = {
@@ -96,6 +96,8 @@ def summarize(p: HardwareProfile, created_at: str | None = None) -> dict[str, An
         if coll.get("all_reduce"):
             alpha, beta = fit_alpha_beta(coll["all_reduce"])
             out[key] = {"latency_us": alpha * 1e6, "gbps": beta / 1e9}
+    if p.oversubscription:  # CPU node types: slowdown over the ideal share at N processes a core
+        out["oversubscription"] = {k: [list(pt) for pt in pts] for k, pts in p.oversubscription.items()}
     return out
 
 

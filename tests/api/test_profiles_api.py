@@ -61,3 +61,23 @@ def test_a_submitted_job_is_planned_with_the_profile(
     job = client.post("/v1/jobs", json=tiny(), headers=bearer(tokens["a"]))
     assert job.status_code in (200, 201), job.text
     assert job.json()["plan"]["profile"] == {"node_type": "cpu-virtual", "version": 1}  # the default gpu_type
+
+
+def test_a_cpu_profiles_oversubscription_is_shown_and_slows_an_8_rank_plans_compute(
+    client: TestClient, tokens: dict[str, str], db_session_factory: sessionmaker[Session]
+) -> None:
+    auth = bearer(tokens["a"])
+    cpu = {**_doc(5e9), "meta": {"device": "cpu", "threads": 1, "cores": 2}}
+    over = {"ops": [[2.0, 1.25], [4.0, 1.35]], "matmul": [[2.0, 1.1], [4.0, 1.2]]}
+    with db_session_factory() as s:
+        save_profile(s, cpu)
+        s.commit()
+    ideal = client.post("/v1/plans", json=PLAN_BODY, headers=auth).json()
+    with db_session_factory() as s:
+        save_profile(s, {**cpu, "oversubscription": over})  # the same host, its oversubscription measured
+        s.commit()
+    (shown,) = client.get("/v1/cluster", headers=auth).json()["profiles"]
+    assert shown["version"] == 2 and shown["oversubscription"] == over
+    crowded = client.post("/v1/plans", json=PLAN_BODY, headers=auth).json()
+    assert crowded["profile"] == {"node_type": "cpu-virtual", "version": 2}
+    assert crowded["time_breakdown_s"]["compute"] > 1.1 * ideal["time_breakdown_s"]["compute"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,12 @@ def test_calibrate_measures_and_stores_a_profile(tmp_path: Path) -> None:
     # The op overhead: the mean of windows taken before and after each compute phase.
     windows = doc["meta"]["op_overhead_windows_us"]
     assert len(windows) == 5 and min(windows) - 0.01 <= doc["op_overhead_s"] * 1e6 <= max(windows) + 0.01
+    # More processes than cores (training/calibration/oversubscription.py): each workload at 2 and 4 a core.
+    cores = os.cpu_count() or 1
+    levels = [min(32, level * cores) / cores for level in (2, 4)]
+    assert {k: [a for a, _ in pts] for k, pts in doc["oversubscription"].items()} == {
+        "ops": levels, "matmul": levels}
+    assert doc["meta"]["phases"]["oversubscription"] > 0
     # The engine's own costs on the 2 gloo ranks (training/calibration/engine.py), one size each.
     assert doc["concurrency"] >= 1.0
     assert len(doc["tp_linear"]) == len(doc["fsdp_unit"]) == len(doc["ddp_step"]) == 1

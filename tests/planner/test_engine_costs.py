@@ -4,6 +4,7 @@ per ZeRO-3 unit, ranks computing at once; and how the cost model charges them (s
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 
 import pytest
 
@@ -83,6 +84,36 @@ def test_ranks_computing_at_once_slow_compute_by_the_measured_factor() -> None:
     assert Efficiency(gpu, slow, ranks_per_host=8).share == pytest.approx(4.0)
 
 
+def test_more_ranks_than_cores_pay_the_measured_oversubscription_per_workload() -> None:
+    """At 4 processes a core the ops (dispatch-bound and host work) and the matmuls are slowed by their
+    own measured factors on top of the ideal share; at one a core by neither."""
+    gpu = get_gpu("cpu-virtual")
+    over = {"ops": [(2.0, 1.3), (4.0, 1.4)], "matmul": [(2.0, 1.1), (4.0, 1.2)]}
+    base = replace(_profile(tp_linear=2e-3), op_overhead_s=1e-5, step_overhead_s=3e-3)
+    crowded = replace(base, oversubscription=over)
+    assert HardwareProfile.from_dict(crowded.to_dict()) == crowded
+    assert HardwareProfile.from_dict({k: v for k, v in crowded.to_dict().items()
+                                      if k != "oversubscription"}) == base  # fmt: skip
+    ideal, real = Efficiency(gpu, base, ranks_per_host=8), Efficiency(gpu, crowded, ranks_per_host=8)
+    assert real.share == ideal.share == pytest.approx(4.0)
+    assert real.matmul_time(128, 128, 128) == pytest.approx(1.2 * ideal.matmul_time(128, 128, 128))
+    assert real.ops_time(0.0, 150) == pytest.approx(1.4 * ideal.ops_time(0.0, 150))
+    assert real.step_overhead == pytest.approx(1.4 * ideal.step_overhead)
+    assert real.tp_linear_time(1e5, 1e9) == pytest.approx(ideal.tp_linear_time(1e5, 1e9))  # waits: share
+    # Between the measured levels: linear (3 a core: halfway from 1.3 to 1.4); beyond the last: flat.
+    assert Efficiency(gpu, crowded, ranks_per_host=6).share_ops == pytest.approx(3 * 1.35)
+    assert Efficiency(gpu, crowded, ranks_per_host=16).share_ops == pytest.approx(8 * 1.4)
+    assert Efficiency(gpu, crowded, ranks_per_host=2).share_ops == pytest.approx(1.0)
+    # An 8-rank job's compute moves by between the two factors, its DP time not at all; a GPU profile's
+    # (no sharing) does not move.
+    lay = Layout(dp=8, micro_batch_size=1, num_microbatches=1)
+    slow, fast = _eval(lay, crowded), _eval(lay, base)
+    assert 1.2 * fast["compute"] < slow["compute"] < 1.4 * fast["compute"]
+    assert slow["dp_exposed"] == fast["dp_exposed"]
+    on_gpu = {"meta": {"device": "cuda", "threads": 1, "cores": 2}}
+    assert Efficiency(gpu, replace(crowded, **on_gpu), ranks_per_host=8).share_ops == 1.0
+
+
 def test_host_work_measured_one_rank_per_core_slows_with_more_ranks_than_cores() -> None:
     """The engine's measured costs, the optimizer step and the loop's overhead are host work on CPU
     ranks, timed with one rank per core: 8 ranks on the profile's 2 cores do it 4x slower, as they
@@ -119,8 +150,6 @@ def test_measured_engine_cost_is_monotone_in_size_and_grows_with_the_link_beyond
 def test_the_measured_optimizer_step_charges_each_tensor_and_parameter_a_rank_steps() -> None:
     """Clip + AdamW as measured: a fixed cost per parameter tensor (AdamW loops over them where nothing
     fuses) and a cost per parameter; our ZeRO-1 steps only the tensors and parameters a rank owns."""
-    from dataclasses import replace
-
     from training.config.arithmetic import total_params
 
     per_tensor, per_param = 40e-6, 4e-9
@@ -139,8 +168,6 @@ def test_the_measured_optimizer_step_charges_each_tensor_and_parameter_a_rank_st
 def test_fsdp2_optimizer_step_charges_what_dtensor_adds_per_tensor() -> None:
     """ZeRO-2/3 step every DTensor shard: each tensor costs the plain per-tensor figure plus what the
     calibration measured DTensor dispatch to add; DP and ZeRO-1 step plain tensors and are unchanged."""
-    from dataclasses import replace
-
     per_tensor, per_param, dtensor = 40e-6, 4e-9, 300e-6
     plain = replace(_profile(), optimizer_tensor_s=per_tensor, optimizer_param_s=per_param)
     measured = replace(plain, fsdp_optimizer_tensor_s=dtensor)

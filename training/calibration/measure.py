@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from training.calibration.oversubscription import measure_oversubscription
 from training.parallel.dist import default_device
 from training.parallel.local_ranks import LocalRankError, run_local_ranks
 
@@ -365,6 +366,8 @@ def calibrate(node_type: str, grid: Grid | None = None) -> dict[str, Any]:
         }  # fmt: skip
         optimizer = phase("optimizer", lambda: measure_optimizer(device, grid.repeats, grid.short_budget_s))
         doc["optimizer_tensor_s"], doc["optimizer_param_s"] = optimizer
+        if device.type == "cpu":  # ranks share the host's cores only on CPU node types
+            doc["oversubscription"] = timed("oversubscription", measure_oversubscription)
         doc["op_overhead_s"] = ops.per_op()
         threads = torch.get_num_threads()
         # The timings above are medians of short calls that mostly fit between other processes' time

@@ -101,7 +101,8 @@ class ClusterPublic(BaseModel):
         default_factory=list,
         description="The newest measured hardware profile of each node type (`lattice calibrate`): "
         "node_type, version, created_at, matmul_tflops per dtype, memory_gbps, all_reduce {gbps, "
-        "latency_us} within a node and inter_node_all_reduce between two nodes (when measured). "
+        "latency_us} within a node, inter_node_all_reduce between two nodes (when measured) and, on CPU "
+        "node types, oversubscription {workload: [[processes per core, slowdown]]}. "
         "Plans on a cluster of that node type use it.",
     )
 
