@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +68,9 @@ def run(steps: int, root: Path, layouts: list[tuple[str, Any]]) -> list[dict[str
             if r.status_code >= 300:
                 raise RuntimeError(f"{name}: submit answered {r.status_code}: {r.text}")
             job_id = r.json()["id"]
-            job = wait_for(lambda job_id=job_id: _finished(api.get(f"/v1/jobs/{job_id}").json()), 900,
-                           f"job {name}")
+            with HealthzSampler(base) as api_ms:
+                job = wait_for(lambda job_id=job_id: _finished(api.get(f"/v1/jobs/{job_id}").json()), 900,
+                               f"job {name}")
             perf = job.get("performance") or {}
             pred = (perf.get("predicted") or {}).get("step_time_s")
             meas = (perf.get("measured") or {}).get("step_time_s")
@@ -74,6 +78,7 @@ def run(steps: int, root: Path, layouts: list[tuple[str, Any]]) -> list[dict[str
             rows.append({"name": name, "state": job["state"], "pred": pred, "meas": meas,
                          "layout": layout, "load": os.getloadavg()[0]})
             print(_row(rows[-1]), flush=True)
+            print(f"    GET /healthz while it ran: {api_ms.summary()}", flush=True)
             print(_terms(perf.get("terms") or []), flush=True)
     finally:
         proc.terminate()
@@ -82,6 +87,39 @@ def run(steps: int, root: Path, layouts: list[tuple[str, Any]]) -> list[dict[str
         except subprocess.TimeoutExpired:
             proc.kill()
     return rows
+
+
+class HealthzSampler:
+    """Times GET /healthz every `interval_s` in a thread while a job runs: how responsive the service
+    stays while its ranks compute on the same cores."""
+
+    def __init__(self, base: str, interval_s: float = 0.25) -> None:
+        self.base, self.interval_s, self.ms = base, interval_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.base, timeout=30) as c:
+            while not self._stop.wait(self.interval_s):
+                t0 = time.perf_counter()
+                c.get("/healthz")
+                self.ms.append((time.perf_counter() - t0) * 1e3)
+
+    def __enter__(self) -> HealthzSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> str:
+        if not self.ms:
+            return "no samples"
+        ms = sorted(self.ms)
+        p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))]
+        median = statistics.median(ms)
+        return f"median {median:.1f} ms, p99 {p99:.1f} ms, max {ms[-1]:.1f} ms ({len(ms)} requests)"
 
 
 def _finished(job: dict[str, Any]) -> dict[str, Any] | None:

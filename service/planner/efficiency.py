@@ -283,13 +283,15 @@ class Efficiency:
         self._ddp_step = _SizeCurve.of(profile.ddp_step) if profile is not None else None
         self.op_overhead = profile.op_overhead_s if profile is not None else 0.0
         # Host work timed with one rank per core (the optimizer step, the loop's own overhead): on CPU
-        # ranks it is slowed by `share` as compute is.
-        self.host = host = self.share_ops if self.synchronous else 1.0
+        # ranks it is slowed by `share` as compute is; the loop's Python also by the ops' oversubscription
+        # (the optimizer's fused passes over the state did not pay it: bench.planner_embedded, 2026-12-08).
+        self.host = host = self.share if self.synchronous else 1.0
         self.ranks = profile.ranks if profile is not None else 2  # of the measured collectives, engine costs
         self.optimizer_tensor = host * profile.optimizer_tensor_s if profile is not None else 0.0
         self.optimizer_param = host * profile.optimizer_param_s if profile is not None else 0.0
         self.fsdp_optimizer_tensor = host * profile.fsdp_optimizer_tensor_s if profile is not None else 0.0
-        self.step_overhead = host * profile.step_overhead_s if profile is not None else 0.0
+        loop = self.share_ops if self.synchronous else 1.0
+        self.step_overhead = loop * profile.step_overhead_s if profile is not None else 0.0
         self.peak = gpu.peak_flops
         self.hbm_bw = profile.memory_bw if profile is not None and profile.memory_bw > 0 else gpu.hbm_bw
         family = next((k for k in _DATACENTER if gpu.name.upper().startswith(k)), None)

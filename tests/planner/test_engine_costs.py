@@ -85,11 +85,12 @@ def test_ranks_computing_at_once_slow_compute_by_the_measured_factor() -> None:
 
 
 def test_more_ranks_than_cores_pay_the_measured_oversubscription_per_workload() -> None:
-    """At 4 processes a core the ops (dispatch-bound and host work) and the matmuls are slowed by their
-    own measured factors on top of the ideal share; at one a core by neither."""
+    """At 4 processes a core the ops (dispatch-bound work, the loop's Python) and the matmuls are slowed
+    by their own measured factors on top of the ideal share; at one a core by neither."""
     gpu = get_gpu("cpu-virtual")
     over = {"ops": [(2.0, 1.3), (4.0, 1.4)], "matmul": [(2.0, 1.1), (4.0, 1.2)]}
-    base = replace(_profile(tp_linear=2e-3), op_overhead_s=1e-5, step_overhead_s=3e-3)
+    base = replace(_profile(tp_linear=2e-3), op_overhead_s=1e-5, step_overhead_s=3e-3,
+                   optimizer_tensor_s=3e-5)
     crowded = replace(base, oversubscription=over)
     assert HardwareProfile.from_dict(crowded.to_dict()) == crowded
     assert HardwareProfile.from_dict({k: v for k, v in crowded.to_dict().items()
@@ -98,7 +99,8 @@ def test_more_ranks_than_cores_pay_the_measured_oversubscription_per_workload() 
     assert real.share == ideal.share == pytest.approx(4.0)
     assert real.matmul_time(128, 128, 128) == pytest.approx(1.2 * ideal.matmul_time(128, 128, 128))
     assert real.ops_time(0.0, 150) == pytest.approx(1.4 * ideal.ops_time(0.0, 150))
-    assert real.step_overhead == pytest.approx(1.4 * ideal.step_overhead)
+    assert real.step_overhead == pytest.approx(1.4 * ideal.step_overhead)  # the loop's Python
+    assert real.optimizer_tensor == pytest.approx(ideal.optimizer_tensor)  # fused passes: the share alone
     assert real.tp_linear_time(1e5, 1e9) == pytest.approx(ideal.tp_linear_time(1e5, 1e9))  # waits: share
     # Between the measured levels: linear (3 a core: halfway from 1.3 to 1.4); beyond the last: flat.
     assert Efficiency(gpu, crowded, ranks_per_host=6).share_ops == pytest.approx(3 * 1.35)

@@ -1,7 +1,7 @@
 """Process-group plumbing shared by the train entry points, the rank actors and the tests.
 
 Backend follows the hardware: NCCL when CUDA is present, gloo on CPU. Ports are never
-hard-coded: `free_port()` asks the OS.
+hard-coded: `free_port()` finds one free, below the range the OS gives outgoing connections.
 
 On CUDA a rank uses the first GPU it can see: a Ray rank actor (`num_gpus=1`) sees exactly the GPU Ray
 assigned it (Ray sets CUDA_VISIBLE_DEVICES per actor, and the actor sets LOCAL_RANK=0); under torchrun
@@ -40,7 +40,37 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 log = logging.getLogger(__name__)
 
 
+# The OS hands out ports of ip_local_port_range to every outgoing connection (Ray's gRPC opens many), so a
+# port picked there and bound seconds later (a rendezvous master's: picked by rank 0's actor, bound when
+# the ranks start) can be taken meanwhile: EADDRINUSE, and a job restarted for nothing (CI, 2026-12-08).
+# Listening ports are drawn above Ray's worker ports (10002-19999 by default) and below that range.
+LISTEN_PORT_LOW = 20000
+_PORT_TRIES = 64
+
+
+def ephemeral_port_low() -> int:
+    """The first port of the kernel's range for outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port on `host` that is free now, outside the ephemeral range when the host leaves room below it
+    (else whatever the OS gives)."""
+    import random
+
+    high = ephemeral_port_low() - 1
+    draw = random.SystemRandom()  # not the seeded global generator: ranks seeded alike would all collide
+    for _ in range(_PORT_TRIES if high > LISTEN_PORT_LOW else 0):
+        port = draw.randint(LISTEN_PORT_LOW, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
