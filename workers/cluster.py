@@ -43,8 +43,10 @@ HEALTH_CHECK_CONFIG = {
 
 # Ray starts its workers at nice 15, below its own daemons. On the embedded cluster every rank computes on
 # the host's cores beside the service, the raylets and the dashboard agents (nice 0): at a CFS weight of 36
-# against 1024, each wake-up of a rank from a collective waited for whatever of theirs was running, and
-# a DP 8 job of the demo model stepped 20-40% slower than at nice 0 (docs/benchmarks.md, issue 16).
+# against 1024, a rank woken by a collective waits for whatever of theirs is running. At nice 0 the
+# demo model's PP 2 x DP 4 stepped 20-30% faster in both interleaved comparisons, other layouts moved
+# within the host's noise, GET /healthz during a job took ~5 ms instead of ~2 (docs/benchmarks.md,
+# 2026-12-08).
 WORKER_PRIORITY_CONFIG = {"worker_niceness": 0}
 
 LOOPBACK = "127.0.0.1"
