@@ -41,14 +41,6 @@ HEALTH_CHECK_CONFIG = {
 }
 
 
-# Ray starts its workers at nice 15, below its own daemons. On the embedded cluster every rank computes on
-# the host's cores beside the service, the raylets and the dashboard agents (nice 0): at a CFS weight of 36
-# against 1024, a rank woken by a collective waits for whatever of theirs is running. At nice 0 the
-# demo model's PP 2 x DP 4 stepped 20-30% faster in both interleaved comparisons, other layouts moved
-# within the host's noise, GET /healthz during a job took ~5 ms instead of ~2 (docs/benchmarks.md,
-# 2026-12-08).
-WORKER_PRIORITY_CONFIG = {"worker_niceness": 0}
-
 LOOPBACK = "127.0.0.1"
 
 
@@ -232,7 +224,7 @@ def start_embedded_cluster(
         "node_ip_address": host,
         "temp_dir": root,
         "labels": {"lattice.role": "head"},
-        "_system_config": {**HEALTH_CHECK_CONFIG, **WORKER_PRIORITY_CONFIG},
+        "_system_config": dict(HEALTH_CHECK_CONFIG),
     }
     if metrics_export_port is not None:
         head_args["metrics_export_port"] = metrics_export_port

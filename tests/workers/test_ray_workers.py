@@ -62,24 +62,6 @@ def test_embedded_cluster_has_the_racks_nodes_gpus_and_labels(ray_cluster):
     assert (d["gpus_total"], d["gpus_free"], d["gpus_schedulable"]) == (16, 16, 8)
 
 
-def test_workers_on_every_node_run_at_the_daemons_priority(ray_cluster):
-    """Ray would start its workers at nice 15; the embedded cluster's ranks share the host's cores with
-    the service and the raylets, so they run at nice 0 (workers/cluster.py, WORKER_PRIORITY_CONFIG)."""
-    import os
-
-    @ray.remote(num_gpus=0, num_cpus=0)
-    def niceness() -> tuple[str, int]:
-        return ray.get_runtime_context().get_node_id(), os.nice(0)
-
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-    pinned = [NodeAffinitySchedulingStrategy(n, soft=False) for n in nodes]
-    got = ray.get([niceness.options(scheduling_strategy=s).remote() for s in pinned])
-    assert len(nodes) == 5 and {node for node, _ in got} == set(nodes)
-    assert {nice for _, nice in got} == {0}
-
-
 def test_rank_actors_land_where_placement_said(ray_cluster):
     wait_for_free_gpus(16)
     placement = place(DP2_PP2_TP2, Topology.from_ray())
