@@ -267,15 +267,15 @@ class Efficiency:
         self.synchronous = on_cpu
         threads = int(profile.meta.get("threads", 1)) if profile is not None else 1
         cores = int(profile.meta.get("cores", 0) or 0) if profile is not None else 0
-        self.share = max(1.0, ranks_per_host * threads / cores) if on_cpu and cores > 0 else 1.0
+        per_core = ranks_per_host * threads / cores if on_cpu and cores > 0 else 1.0
+        self.share = max(1.0, per_core)
         if on_cpu and ranks_per_host >= 2 and profile is not None:  # measured: all ranks computing at once
             self.share = max(self.share, profile.concurrency)
         # More processes than cores: each also pays the others' switches and cache evictions, measured
         # per workload (training/calibration/oversubscription.py): "ops" for dispatch-bound and host
         # work, "matmul" for arithmetic. Not the engine's measured costs (tp_linear, fsdp_unit,
         # ddp_step): mostly waits for a partner, they scale with the share alone (bench.planner_embedded).
-        per_core = ranks_per_host * threads / cores if on_cpu and cores > 0 else 1.0
-        over = profile.oversubscription if profile is not None and per_core > 1.0 else {}
+        over = profile.oversubscription if profile is not None else {}  # 1 at one process a core or fewer
         self.share_mm = self.share * _slowdown(over.get("matmul", ()), per_core)
         self.share_ops = self.share * _slowdown(over.get("ops", ()), per_core)
         self._tp_linear = _SizeCurve.of(profile.tp_linear) if profile is not None else None
